@@ -1,0 +1,21 @@
+#include "batch.h"
+
+#include <stdexcept>
+
+namespace specdec {
+
+Batch::Batch(int capacity) : batch_(llama_batch_init(capacity, 0, 1)), capacity_(capacity) {}
+
+Batch::~Batch() { llama_batch_free(batch_); }
+
+void Batch::add(llama_token token, llama_pos pos, bool want_logits) {
+    if (batch_.n_tokens >= capacity_) throw std::length_error("batch is full");
+    const int i = batch_.n_tokens++;
+    batch_.token[i] = token;
+    batch_.pos[i] = pos;
+    batch_.n_seq_id[i] = 1;
+    batch_.seq_id[i][0] = 0;
+    batch_.logits[i] = want_logits;
+}
+
+}  // namespace specdec

@@ -1,0 +1,235 @@
+// pybind11 only: argument conversion, GIL release, callbacks, exception mapping.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "engine.h"
+#include "errors.h"
+#include "logging.h"
+#include "sampling.h"
+#include "text_stream.h"
+
+namespace py = pybind11;
+using namespace specdec;
+
+namespace {
+
+// Text from the engine is valid UTF-8 except, at worst, a broken tail at the very end.
+py::str to_str(const std::string& s) {
+    PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace");
+    if (!o) throw py::error_already_set();
+    return py::reinterpret_steal<py::str>(o);
+}
+
+py::dict stats_dict(const Stats& s) {
+    py::dict d;
+    d["n_prompt"] = s.n_prompt;
+    d["n_generated"] = s.n_generated;
+    d["n_target_passes"] = s.n_target_passes;
+    d["n_drafted"] = s.n_drafted;
+    d["n_accepted"] = s.n_accepted;
+    d["n_cut"] = s.n_cut;
+    d["n_speculative_steps"] = s.n_speculative_steps;
+    d["accepted_at"] = s.accepted_at;
+    d["proposed_at"] = s.proposed_at;
+    d["t_prompt"] = s.t_prompt;
+    d["t_draft"] = s.t_draft;
+    d["t_verify"] = s.t_verify;
+    d["t_total"] = s.t_total;
+    return d;
+}
+
+ModelParams model_params(const std::string& path, int n_gpu_layers, int n_ctx, int n_batch,
+                         int n_threads) {
+    ModelParams p;
+    p.path = path;
+    p.n_gpu_layers = n_gpu_layers;
+    p.n_ctx = n_ctx;
+    p.n_batch = n_batch;
+    p.n_threads = n_threads;
+    return p;
+}
+
+// Holds the first Python exception raised while the engine ran (a callback's, or
+// KeyboardInterrupt from a signal handler), to re-raise once the engine has unwound.
+struct PendingError {
+    std::optional<py::error_already_set> error;
+    void capture() {
+        if (!error) error.emplace();
+    }
+};
+
+py::dict run_generate(Engine& engine, GenerateRequest request, const py::object& on_text) {
+    PendingError pending;
+    TextCallback text_cb;
+    if (!on_text.is_none()) {
+        text_cb = [&](const std::string& text) {
+            py::gil_scoped_acquire gil;
+            try {
+                on_text(to_str(text));
+            } catch (py::error_already_set&) {
+                pending.capture();
+                throw Cancelled("callback raised");
+            }
+        };
+    }
+    StopCheck should_stop = [&]() {
+        py::gil_scoped_acquire gil;
+        if (PyErr_CheckSignals() != 0) {
+            pending.capture();
+            return true;
+        }
+        return false;
+    };
+    GenerationResult result;
+    {
+        py::gil_scoped_release release;
+        result = engine.generate(request, text_cb, should_stop);
+    }
+    if (pending.error) throw std::move(*pending.error);
+    py::dict out;
+    out["tokens"] = result.tokens;
+    out["text"] = to_str(result.text);
+    out["finish_reason"] = result.finish_reason;
+    out["stats"] = stats_dict(result.stats);
+    return out;
+}
+
+std::vector<float> distribution_as_list(const Distribution& d) { return d.probs; }
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "specdec native engine (llama.cpp speculative decoding)";
+
+    auto base = py::register_exception<ModelLoadError>(m, "ModelLoadError", PyExc_RuntimeError);
+    py::register_exception<VocabMismatchError>(m, "VocabMismatchError", PyExc_ValueError);
+    py::register_exception<UnsupportedModelError>(m, "UnsupportedModelError", PyExc_RuntimeError);
+    py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError);
+    (void)base;
+
+    py::class_<Engine>(m, "Engine")
+        .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
+                         int n_draft, int n_ctx, int n_batch, int n_threads, int n_gpu_layers,
+                         int draft_n_gpu_layers, bool verbose) {
+                 EngineConfig c;
+                 c.target = model_params(target, n_gpu_layers, n_ctx, n_batch, n_threads);
+                 if (draft)
+                     c.draft = model_params(*draft, draft_n_gpu_layers, n_ctx, n_batch, n_threads);
+                 c.n_draft = n_draft;
+                 c.verbose = verbose;
+                 py::gil_scoped_release release;
+                 return std::make_unique<Engine>(c);
+             }),
+             py::arg("target"), py::arg("draft") = py::none(), py::arg("n_draft") = 4,
+             py::arg("n_ctx") = 4096, py::arg("n_batch") = 512, py::arg("n_threads") = 0,
+             py::arg("n_gpu_layers") = 0, py::arg("draft_n_gpu_layers") = 0,
+             py::arg("verbose") = false)
+        .def(
+            "generate",
+            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
+               int top_k, float top_p, float min_p, uint64_t seed,
+               const std::vector<std::string>& stop, int n_draft, const py::object& on_text) {
+                GenerateRequest r;
+                r.prompt = prompt;
+                r.max_tokens = max_tokens;
+                r.sampling = {temperature, top_k, top_p, min_p};
+                r.seed = seed;
+                r.stop = stop;
+                r.n_draft = n_draft;
+                return run_generate(e, std::move(r), on_text);
+            },
+            py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature"), py::arg("top_k"),
+            py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("stop"),
+            py::arg("n_draft"), py::arg("on_text") = py::none())
+        .def("cancel", &Engine::cancel)
+        .def("tokenize",
+             [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {
+                 return e.target().tokenize(text, add_special, parse_special);
+             })
+        .def("detokenize",
+             [](const Engine& e, const std::vector<int32_t>& tokens) {
+                 return to_str(e.target().detokenize(tokens));
+             })
+        .def("token_bytes",
+             [](const Engine& e, int32_t token) {
+                 if (token < 0 || token >= e.target().n_vocab())
+                     throw std::invalid_argument("token id outside the vocabulary");
+                 return py::bytes(e.target().token_piece(token));
+             })
+        .def("apply_chat_template",
+             [](const Engine& e, const std::vector<std::pair<std::string, std::string>>& messages,
+                bool add_generation_prompt) {
+                 return e.target().apply_chat_template(messages, add_generation_prompt);
+             })
+        .def("next_token_logits",
+             [](Engine& e, const std::vector<int32_t>& context) {
+                 py::gil_scoped_release release;
+                 return e.next_token_logits(context);
+             })
+        .def("model_info", [](const Engine& e, bool draft) {
+            const Model* m = draft ? e.draft() : &e.target();
+            py::dict d;
+            if (!m) return d;
+            d["path"] = m->path();
+            d["description"] = m->description();
+            d["architecture"] = m->meta("general.architecture");
+            d["name"] = m->meta("general.name");
+            d["n_params"] = llama_model_n_params(m->model());
+            d["size_bytes"] = llama_model_size(m->model());
+            d["n_layer"] = llama_model_n_layer(m->model());
+            d["n_embd"] = llama_model_n_embd(m->model());
+            d["n_ctx_train"] = llama_model_n_ctx_train(m->model());
+            d["n_ctx"] = m->n_ctx();
+            d["n_vocab"] = m->n_vocab();
+            d["vocab_type"] = static_cast<int>(llama_vocab_type(m->vocab()));
+            d["bos"] = llama_vocab_bos(m->vocab());
+            d["eos"] = llama_vocab_eos(m->vocab());
+            d["has_chat_template"] = llama_model_chat_template(m->model(), nullptr) != nullptr;
+            return d;
+        })
+        .def_property_readonly("n_draft", &Engine::n_draft)
+        .def_property_readonly("has_draft", [](const Engine& e) { return e.draft() != nullptr; })
+        .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
+
+    m.def("system_info", []() { return std::string(llama_print_system_info()); });
+    m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
+
+    // The sampling maths, exposed for unit tests.
+    m.def("distribution",
+          [](const std::vector<float>& logits, float temperature, int top_k, float top_p,
+             float min_p) {
+              SamplingParams p{temperature, top_k, top_p, min_p};
+              validate(p);
+              if (p.greedy()) throw std::invalid_argument("distribution needs temperature > 0");
+              SamplingWorkspace ws;
+              Distribution d;
+              make_distribution(logits.data(), static_cast<int>(logits.size()), p, ws, d);
+              return distribution_as_list(d);
+          });
+    m.def("acceptance_probability", &acceptance_probability);
+    m.def("sample_residual_counts",
+          [](const std::vector<float>& p, const std::vector<float>& q, int n, uint64_t seed) {
+              // Draws n samples from norm(max(0, p - q)) and counts them per id.
+              Distribution dp, dq;
+              dp.probs = p;
+              dq.probs = q;
+              for (size_t i = 0; i < p.size(); ++i)
+                  if (p[i] > 0) dp.support.push_back(static_cast<int32_t>(i));
+              for (size_t i = 0; i < q.size(); ++i)
+                  if (q[i] > 0) dq.support.push_back(static_cast<int32_t>(i));
+              Rng rng(seed);
+              std::vector<int> counts(p.size(), 0);
+              for (int i = 0; i < n; ++i) ++counts[static_cast<size_t>(sample_residual(dp, dq, rng))];
+              return counts;
+          });
+    m.def("utf8_stream", [](const std::vector<py::bytes>& pieces,
+                            const std::vector<std::string>& stop) {
+        // Feeds pieces through the text stream; returns the chunks it emitted and the flush.
+        TextStream ts(stop);
+        std::vector<py::bytes> out;
+        for (const auto& piece : pieces) out.emplace_back(ts.push(std::string(piece)));
+        out.emplace_back(ts.flush());
+        return py::make_tuple(out, ts.stopped());
+    });
+}

@@ -1,0 +1,303 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+#include "errors.h"
+#include "logging.h"
+#include "model_drafter.h"
+#include "text_stream.h"
+
+namespace specdec {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+bool abort_requested(void* data) { return static_cast<std::atomic<bool>*>(data)->load(); }
+
+void check_supported(const Model& m) {
+    if (llama_model_is_recurrent(m.model()) || llama_model_is_hybrid(m.model()))
+        throw UnsupportedModelError(
+            m.path() + " is a recurrent or hybrid model: its state cannot be rolled back past "
+                       "rejected draft tokens, so it cannot be used for speculative decoding");
+}
+
+}  // namespace
+
+// The state of one generate() call. The step reads top to bottom like the algorithm.
+class Generation {
+public:
+    Generation(Engine& engine, const GenerateRequest& request, const TextCallback& on_text)
+        : e_(engine),
+          req_(request),
+          on_text_(on_text),
+          rng_(request.seed),
+          text_(request.stop),
+          n_draft_(request.n_draft >= 0 ? request.n_draft : engine.config_.n_draft) {
+        if (!e_.drafter_) n_draft_ = 0;
+    }
+
+    GenerationResult run() {
+        const auto start = Clock::now();
+        try {
+            prefill();
+            while (result_.finish_reason.empty()) step();
+        } catch (const Cancelled&) {
+            result_.finish_reason = "cancelled";
+        }
+        emit(text_.flush());
+        result_.stats.n_generated = static_cast<int>(result_.tokens.size());
+        result_.stats.t_total = seconds_since(start);
+        return std::move(result_);
+    }
+
+private:
+    Stats& stats() { return result_.stats; }
+    Model& target() const { return *e_.target_; }
+
+    void prefill() {
+        const auto start = Clock::now();
+        seq_ = req_.prompt;
+        stats().n_prompt = static_cast<int>(seq_.size());
+        // The target's cache holds all committed tokens but the last, which each step decodes
+        // together with the draft.
+        target().clear_memory();
+        Batch& batch = e_.target_batch_;
+        for (size_t start_i = 0; start_i + 1 < seq_.size(); start_i += batch.capacity()) {
+            const size_t end = std::min(seq_.size() - 1, start_i + batch.capacity());
+            batch.clear();
+            for (size_t i = start_i; i < end; ++i)
+                batch.add(seq_[i], static_cast<llama_pos>(i), false);
+            e_.decode(target(), batch);
+        }
+        if (e_.drafter_) e_.drafter_->begin(seq_);
+        stats().t_prompt = seconds_since(start);
+    }
+
+    // Draft tokens for this step, bounded by the context and by what may still be emitted.
+    int draft_length() const {
+        const int room_in_context = target().n_ctx() - static_cast<int>(seq_.size());
+        const int still_wanted = req_.max_tokens - static_cast<int>(result_.tokens.size()) - 1;
+        int k = std::min({n_draft_, room_in_context, still_wanted});
+        if (e_.draft_) k = std::min(k, e_.draft_->n_ctx() - static_cast<int>(seq_.size()) + 1);
+        return std::max(k, 0);
+    }
+
+    void step() {
+        if (static_cast<int>(seq_.size()) > target().n_ctx()) {
+            result_.finish_reason = "context";
+            return;
+        }
+        const int k = draft_length();
+        draft(k);
+        verify();
+        const int n_accepted = accept_and_commit();
+        // Positions at or past the first rejected draft hold keys/values of tokens that were
+        // not committed.
+        target().forget_from(static_cast<llama_pos>(base_ + n_accepted));
+    }
+
+    void draft(int k) {
+        draft_.tokens.clear();
+        draft_.q.clear();
+        if (k == 0) return;
+        const auto start = Clock::now();
+        e_.drafter_->propose(seq_, k, req_.sampling, rng_, draft_);
+        stats().count_proposal(static_cast<int>(draft_.tokens.size()));
+        stats().t_draft += seconds_since(start);
+    }
+
+    // One target decode of [last, d1..dK], logits on every row.
+    void verify() {
+        const auto start = Clock::now();
+        base_ = seq_.size();  // position of the first draft token
+        Batch& batch = e_.target_batch_;
+        batch.clear();
+        batch.add(seq_.back(), static_cast<llama_pos>(base_ - 1), true);
+        for (size_t i = 0; i < draft_.tokens.size(); ++i)
+            batch.add(draft_.tokens[i], static_cast<llama_pos>(base_ + i), true);
+        e_.decode(target(), batch);
+        ++stats().n_target_passes;
+        stats().t_verify += seconds_since(start);
+    }
+
+    // Row i of the last target decode scores the token after [.., last, d1..di].
+    const float* target_logits(size_t row) {
+        return llama_get_logits_ith(target().ctx(), static_cast<int32_t>(row));
+    }
+
+    const Distribution& target_distribution(size_t row) {
+        make_distribution(target_logits(row), target().n_vocab(), req_.sampling, workspace_, p_);
+        return p_;
+    }
+
+    // Walks the draft: accepted prefix, then one token from the target (the correction at the
+    // first rejection, or a bonus when all pass). Returns the number of draft tokens accepted.
+    int accept_and_commit() {
+        const auto start = Clock::now();
+        const bool greedy = req_.sampling.greedy();
+        const int n_vocab = target().n_vocab();
+        const size_t k = draft_.tokens.size();
+        size_t i = 0;
+        llama_token next = -1;
+        for (; i < k; ++i) {
+            const llama_token x = draft_.tokens[i];
+            if (greedy) {
+                const llama_token best = argmax(target_logits(i), n_vocab);
+                if (best != x) {
+                    next = best;
+                    break;
+                }
+            } else {
+                const Distribution& p = target_distribution(i);
+                const Distribution* q = draft_.q[i];
+                const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
+                if (!ok) {
+                    next = q ? sample_residual(p, *q, rng_) : sample_residual_point(p, x, rng_);
+                    break;
+                }
+            }
+        }
+        if (i == k) next = greedy ? argmax(target_logits(k), n_vocab) : sample(target_distribution(k), rng_);
+        stats().count_acceptance(static_cast<int>(i));
+        stats().t_verify += seconds_since(start);
+
+        for (size_t j = 0; j < i; ++j) commit(draft_.tokens[j]);
+        commit(next);
+        stats().n_cut += static_cast<int>(i + 1) - committed_this_step_;
+        committed_this_step_ = 0;
+        return static_cast<int>(i);
+    }
+
+    // Appends one token to the output unless generation already finished in this step.
+    void commit(llama_token token) {
+        if (!result_.finish_reason.empty()) return;
+        if (target().is_eog(token)) {
+            result_.finish_reason = "stop";
+            return;
+        }
+        ++committed_this_step_;
+        seq_.push_back(token);
+        result_.tokens.push_back(token);
+        emit(text_.push(target().token_piece(token)));
+        if (text_.stopped()) {
+            result_.finish_reason = "stop";
+        } else if (static_cast<int>(result_.tokens.size()) >= req_.max_tokens) {
+            result_.finish_reason = "length";
+        }
+    }
+
+    void emit(const std::string& text) {
+        if (text.empty()) return;
+        result_.text += text;
+        if (on_text_) on_text_(text);
+    }
+
+    Engine& e_;
+    const GenerateRequest& req_;
+    const TextCallback& on_text_;
+    Rng rng_;
+    TextStream text_;
+    int n_draft_;
+    std::vector<llama_token> seq_;  // prompt + committed tokens
+    size_t base_ = 0;
+    int committed_this_step_ = 0;
+    Draft draft_;
+    Distribution p_;
+    SamplingWorkspace workspace_;
+    GenerationResult result_;
+};
+
+Engine::Engine(const EngineConfig& config)
+    : config_(config),
+      target_batch_(std::max(config.target.n_batch, kMaxDraft + 1)) {
+    install_log_handler(config.verbose);
+    if (config.n_draft < 0 || config.n_draft > kMaxDraft)
+        throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
+    target_ = std::make_unique<Model>(config.target);
+    check_supported(*target_);
+    llama_set_abort_callback(target_->ctx(), abort_requested, &cancel_requested_);
+    if (config.draft) {
+        draft_ = std::make_unique<Model>(*config.draft);
+        check_supported(*draft_);
+        const std::string why = vocab_mismatch(*target_, *draft_);
+        if (!why.empty())
+            throw VocabMismatchError("target " + target_->path() + " and draft " +
+                                     draft_->path() + " cannot be paired: " + why);
+        llama_set_abort_callback(draft_->ctx(), abort_requested, &cancel_requested_);
+        drafter_ = std::make_unique<ModelDrafter>(
+            *draft_, kMaxDraft, [this](Model& m, const Batch& b) { decode(m, b); });
+    }
+}
+
+Engine::~Engine() = default;
+
+void Engine::decode(Model& model, const Batch& batch) {
+    if (cancel_requested_.load() || (should_stop_ && *should_stop_ && (*should_stop_)())) {
+        cancel_requested_.store(true);
+        throw Cancelled("generation cancelled");
+    }
+    const int32_t rc = llama_decode(model.ctx(), batch.get());
+    if (rc == 2) throw Cancelled("generation cancelled");
+    if (rc == 1)
+        throw ContextOverflowError("no room in the KV cache of " + model.path() +
+                                   " for a batch of " + std::to_string(batch.size()) + " tokens");
+    if (rc != 0) throw std::runtime_error("llama_decode failed with code " + std::to_string(rc));
+}
+
+GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text,
+                                  const StopCheck& should_stop) {
+    validate(request.sampling);
+    if (request.prompt.empty()) throw std::invalid_argument("the prompt has no tokens");
+    if (request.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
+    if (request.n_draft > kMaxDraft)
+        throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
+    for (const auto& s : request.stop)
+        if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
+    for (llama_token t : request.prompt)
+        if (t < 0 || t >= target_->n_vocab())
+            throw std::invalid_argument("prompt token " + std::to_string(t) +
+                                        " is outside the vocabulary");
+    const int n_ctx = std::min(target_->n_ctx(), draft_ ? draft_->n_ctx() : target_->n_ctx());
+    if (static_cast<int>(request.prompt.size()) >= n_ctx)
+        throw ContextOverflowError("the prompt has " + std::to_string(request.prompt.size()) +
+                                   " tokens but the context holds " + std::to_string(n_ctx) +
+                                   "; raise n_ctx or shorten the prompt");
+
+    std::lock_guard<std::mutex> lock(busy_);
+    cancel_requested_.store(false);
+    should_stop_ = &should_stop;
+    struct Reset {
+        Engine* e;
+        ~Reset() { e->should_stop_ = nullptr; }
+    } reset{this};
+    return Generation(*this, request, on_text).run();
+}
+
+std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& context) {
+    if (context.empty()) throw std::invalid_argument("the context has no tokens");
+    if (static_cast<int>(context.size()) > target_->n_ctx())
+        throw ContextOverflowError("the context is longer than n_ctx");
+    for (llama_token t : context)
+        if (t < 0 || t >= target_->n_vocab())
+            throw std::invalid_argument("token " + std::to_string(t) + " is outside the vocabulary");
+    std::lock_guard<std::mutex> lock(busy_);
+    cancel_requested_.store(false);
+    target_->clear_memory();
+    for (size_t start = 0; start < context.size(); start += target_batch_.capacity()) {
+        const size_t end = std::min(context.size(), start + target_batch_.capacity());
+        target_batch_.clear();
+        for (size_t i = start; i < end; ++i)
+            target_batch_.add(context[i], static_cast<llama_pos>(i), i + 1 == context.size());
+        decode(*target_, target_batch_);
+    }
+    const float* logits = llama_get_logits_ith(target_->ctx(), -1);
+    return std::vector<float>(logits, logits + target_->n_vocab());
+}
+
+}  // namespace specdec

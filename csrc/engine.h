@@ -1,0 +1,82 @@
+// The speculative loop: prompt -> [draft -> verify -> accept -> roll back]* -> stop.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "batch.h"
+#include "drafter.h"
+#include "model.h"
+#include "sampling.h"
+#include "stats.h"
+
+namespace specdec {
+
+struct EngineConfig {
+    ModelParams target;
+    std::optional<ModelParams> draft;
+    int n_draft = 4;  // K: tokens drafted per step (0: target only)
+    bool verbose = false;
+};
+
+struct GenerateRequest {
+    std::vector<llama_token> prompt;
+    int max_tokens = 128;
+    SamplingParams sampling;
+    uint64_t seed = 0;
+    std::vector<std::string> stop;
+    int n_draft = -1;  // -1: the engine's default
+};
+
+struct GenerationResult {
+    std::vector<llama_token> tokens;
+    std::string text;
+    std::string finish_reason;  // "stop", "length", "context", "cancelled"
+    Stats stats;
+};
+
+// Receives text as it is committed, in order. May throw to stop generation.
+using TextCallback = std::function<void(const std::string&)>;
+// Polled between decodes; returning true stops the generation ("cancelled").
+using StopCheck = std::function<bool()>;
+
+class Engine {
+public:
+    static constexpr int kMaxDraft = 64;
+
+    explicit Engine(const EngineConfig& config);
+    ~Engine();
+
+    // One generation at a time: a second caller waits for the first to finish.
+    GenerationResult generate(const GenerateRequest& request, const TextCallback& on_text,
+                              const StopCheck& should_stop);
+    // The target's logits for the token after `context`, read afresh (the cache is cleared).
+    std::vector<float> next_token_logits(const std::vector<llama_token>& context);
+    // Thread-safe: makes the running generation (if any) stop at its next decode.
+    void cancel() { cancel_requested_.store(true); }
+
+    const Model& target() const { return *target_; }
+    const Model* draft() const { return draft_.get(); }
+    int n_draft() const { return config_.n_draft; }
+
+private:
+    friend class Generation;
+    void decode(Model& model, const Batch& batch);
+
+    EngineConfig config_;
+    std::unique_ptr<Model> target_;
+    std::unique_ptr<Model> draft_;
+    std::unique_ptr<Drafter> drafter_;
+    Batch target_batch_;
+    std::mutex busy_;
+    std::atomic<bool> cancel_requested_{false};
+    const StopCheck* should_stop_ = nullptr;
+};
+
+}  // namespace specdec

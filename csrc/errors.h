@@ -1,0 +1,34 @@
+// Error types the engine throws; bindings.cpp maps each to a Python exception.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace specdec {
+
+// A model file that cannot be loaded (missing, not GGUF, truncated, unsupported architecture).
+struct ModelLoadError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// Target and draft cannot be paired: their vocabularies differ.
+struct VocabMismatchError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// The model's memory cannot do what speculation needs (e.g. partial rollback of recurrent state).
+struct UnsupportedModelError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// A request that does not fit the context window.
+struct ContextOverflowError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// Generation was stopped by the caller (Ctrl-C, cancel(), or an exception in a callback).
+struct Cancelled : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+}  // namespace specdec

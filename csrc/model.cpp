@@ -1,0 +1,171 @@
+#include "model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "errors.h"
+#include "logging.h"
+
+namespace specdec {
+namespace {
+
+// llama.cpp's own message for a bad file is terse or only in the log; check the obvious first.
+void check_gguf_file(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw ModelLoadError("cannot open model file: " + path);
+    char magic[4] = {0, 0, 0, 0};
+    in.read(magic, 4);
+    if (in.gcount() == 0) throw ModelLoadError("model file is empty: " + path);
+    if (in.gcount() < 4 || std::memcmp(magic, "GGUF", 4) != 0)
+        throw ModelLoadError("not a GGUF file (bad magic): " + path);
+}
+
+std::string with_reason(const std::string& what) {
+    std::string reason = recent_errors();
+    return reason.empty() ? what : what + ": " + reason;
+}
+
+int default_threads() {
+    unsigned n = std::thread::hardware_concurrency();
+    return n == 0 ? 4 : static_cast<int>(n);
+}
+
+}  // namespace
+
+Model::Model(const ModelParams& params) : path_(params.path) {
+    check_gguf_file(params.path);
+    clear_recent_errors();
+
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = params.n_gpu_layers;
+    model_.reset(llama_model_load_from_file(params.path.c_str(), mparams));
+    if (!model_) throw ModelLoadError(with_reason("failed to load model " + params.path));
+    vocab_ = llama_model_get_vocab(model_.get());
+
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx = static_cast<uint32_t>(params.n_ctx);
+    cparams.n_batch = static_cast<uint32_t>(params.n_batch);
+    cparams.n_ubatch = static_cast<uint32_t>(params.n_batch);
+    cparams.n_seq_max = 1;
+    const int threads = params.n_threads > 0 ? params.n_threads : default_threads();
+    cparams.n_threads = threads;
+    cparams.n_threads_batch = threads;
+    cparams.no_perf = true;
+    ctx_.reset(llama_init_from_model(model_.get(), cparams));
+    if (!ctx_) throw ModelLoadError(with_reason("failed to create a context for " + params.path));
+}
+
+std::vector<llama_token> Model::tokenize(const std::string& text, bool add_special,
+                                         bool parse_special) const {
+    const int32_t len = static_cast<int32_t>(text.size());
+    std::vector<llama_token> tokens(text.size() + 8);
+    int32_t n = llama_tokenize(vocab_, text.data(), len, tokens.data(),
+                               static_cast<int32_t>(tokens.size()), add_special, parse_special);
+    if (n < 0) {
+        tokens.resize(static_cast<size_t>(-n));
+        n = llama_tokenize(vocab_, text.data(), len, tokens.data(),
+                           static_cast<int32_t>(tokens.size()), add_special, parse_special);
+    }
+    if (n < 0) throw std::runtime_error("tokenization failed");
+    tokens.resize(static_cast<size_t>(n));
+    return tokens;
+}
+
+std::string Model::token_piece(llama_token token) const {
+    char buf[256];
+    int32_t n = llama_token_to_piece(vocab_, token, buf, sizeof(buf), 0, true);
+    if (n >= 0) return std::string(buf, static_cast<size_t>(n));
+    std::string big(static_cast<size_t>(-n), '\0');
+    n = llama_token_to_piece(vocab_, token, big.data(), static_cast<int32_t>(big.size()), 0, true);
+    big.resize(static_cast<size_t>(std::max(n, 0)));
+    return big;
+}
+
+std::string Model::detokenize(const std::vector<llama_token>& tokens) const {
+    for (llama_token t : tokens) {
+        if (t < 0 || t >= n_vocab())
+            throw std::invalid_argument("token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+    std::string out;
+    for (llama_token t : tokens) out += token_piece(t);
+    return out;
+}
+
+std::string Model::meta(const std::string& key) const {
+    char buf[512];
+    int32_t n = llama_model_meta_val_str(model_.get(), key.c_str(), buf, sizeof(buf));
+    if (n < 0) return "";
+    if (static_cast<size_t>(n) < sizeof(buf)) return std::string(buf, static_cast<size_t>(n));
+    std::string big(static_cast<size_t>(n) + 1, '\0');
+    llama_model_meta_val_str(model_.get(), key.c_str(), big.data(), big.size());
+    big.resize(static_cast<size_t>(n));
+    return big;
+}
+
+std::string Model::description() const {
+    char buf[256];
+    int32_t n = llama_model_desc(model_.get(), buf, sizeof(buf));
+    return n > 0 ? std::string(buf, std::min(static_cast<size_t>(n), sizeof(buf) - 1)) : "";
+}
+
+std::string Model::apply_chat_template(
+    const std::vector<std::pair<std::string, std::string>>& messages,
+    bool add_generation_prompt) const {
+    const char* tmpl = llama_model_chat_template(model_.get(), nullptr);
+    if (tmpl == nullptr) throw std::invalid_argument("the model has no chat template in its metadata");
+    std::vector<llama_chat_message> chat;
+    size_t total = 0;
+    for (const auto& [role, content] : messages) {
+        chat.push_back({role.c_str(), content.c_str()});
+        total += role.size() + content.size();
+    }
+    std::string buf(2 * total + 1024, '\0');
+    int32_t n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_generation_prompt,
+                                          buf.data(), static_cast<int32_t>(buf.size()));
+    if (n > static_cast<int32_t>(buf.size())) {
+        buf.resize(static_cast<size_t>(n));
+        n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_generation_prompt,
+                                      buf.data(), static_cast<int32_t>(buf.size()));
+    }
+    if (n < 0) throw std::invalid_argument("the model's chat template is not supported by llama.cpp");
+    buf.resize(static_cast<size_t>(n));
+    return buf;
+}
+
+void Model::forget_from(llama_pos pos) {
+    if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), 0, pos, -1)) {
+        throw UnsupportedModelError(
+            "cannot roll back the cache of " + path_ +
+            ": its memory cannot remove part of a sequence (recurrent or hybrid architecture); "
+            "speculative decoding needs a transformer with a KV cache");
+    }
+}
+
+void Model::clear_memory() { llama_memory_clear(llama_get_memory(ctx_.get()), true); }
+
+std::string vocab_mismatch(const Model& target, const Model& draft) {
+    const llama_vocab* tv = target.vocab();
+    const llama_vocab* dv = draft.vocab();
+    if (llama_vocab_type(tv) != llama_vocab_type(dv))
+        return "vocabulary types differ (target " + std::to_string(llama_vocab_type(tv)) +
+               ", draft " + std::to_string(llama_vocab_type(dv)) + ")";
+    const int nt = target.n_vocab();
+    const int nd = draft.n_vocab();
+    if (nt != nd)
+        return "vocabulary sizes differ (target " + std::to_string(nt) + ", draft " +
+               std::to_string(nd) + ")";
+    if (llama_vocab_bos(tv) != llama_vocab_bos(dv) || llama_vocab_eos(tv) != llama_vocab_eos(dv) ||
+        llama_vocab_get_add_bos(tv) != llama_vocab_get_add_bos(dv) ||
+        llama_vocab_get_add_eos(tv) != llama_vocab_get_add_eos(dv))
+        return "BOS/EOS tokens or their use differ";
+    for (llama_token t = 0; t < nt; ++t) {
+        if (std::strcmp(llama_vocab_get_text(tv, t), llama_vocab_get_text(dv, t)) != 0)
+            return "token " + std::to_string(t) + " differs: target '" +
+                   llama_vocab_get_text(tv, t) + "', draft '" + llama_vocab_get_text(dv, t) + "'";
+    }
+    return "";
+}
+
+}  // namespace specdec

@@ -1,0 +1,67 @@
+// RAII owner of one llama_model and its llama_context, with the vocabulary helpers around them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "llama.h"
+
+namespace specdec {
+
+struct ModelParams {
+    std::string path;
+    int n_gpu_layers = 0;
+    int n_ctx = 4096;
+    int n_batch = 512;
+    int n_threads = 0;  // 0: all cores
+};
+
+struct ModelDeleter {
+    void operator()(llama_model* m) const { llama_model_free(m); }
+};
+struct ContextDeleter {
+    void operator()(llama_context* c) const { llama_free(c); }
+};
+
+class Model {
+public:
+    // Throws ModelLoadError with the reason (missing file, not GGUF, llama.cpp's own error).
+    explicit Model(const ModelParams& params);
+
+    llama_model* model() const { return model_.get(); }
+    llama_context* ctx() const { return ctx_.get(); }
+    const llama_vocab* vocab() const { return vocab_; }
+    const std::string& path() const { return path_; }
+
+    int n_vocab() const { return llama_vocab_n_tokens(vocab_); }
+    int n_ctx() const { return static_cast<int>(llama_n_ctx(ctx_.get())); }
+    int n_batch() const { return static_cast<int>(llama_n_batch(ctx_.get())); }
+
+    std::vector<llama_token> tokenize(const std::string& text, bool add_special,
+                                      bool parse_special) const;
+    std::string token_piece(llama_token token) const;  // raw bytes, special tokens rendered
+    std::string detokenize(const std::vector<llama_token>& tokens) const;
+    bool is_eog(llama_token token) const { return llama_vocab_is_eog(vocab_, token); }
+    std::string meta(const std::string& key) const;  // "" when absent
+    std::string description() const;
+    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>>& messages,
+                                    bool add_generation_prompt) const;
+
+    // Forgets every cached position >= pos. Throws UnsupportedModelError when the model's memory
+    // cannot drop a partial sequence (recurrent and hybrid models).
+    void forget_from(llama_pos pos);
+    void clear_memory();
+
+private:
+    std::unique_ptr<llama_model, ModelDeleter> model_;
+    std::unique_ptr<llama_context, ContextDeleter> ctx_;
+    const llama_vocab* vocab_ = nullptr;
+    std::string path_;
+};
+
+// Why target and draft cannot be paired, or "" when they can.
+std::string vocab_mismatch(const Model& target, const Model& draft);
+
+}  // namespace specdec

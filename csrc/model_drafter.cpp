@@ -1,0 +1,72 @@
+#include "model_drafter.h"
+
+#include <algorithm>
+
+namespace specdec {
+
+ModelDrafter::ModelDrafter(Model& model, int max_draft, DecodeFn decode)
+    : model_(model),
+      batch_(model.n_batch()),
+      decode_(std::move(decode)),
+      q_(static_cast<size_t>(std::max(max_draft, 1))) {}
+
+void ModelDrafter::begin(const std::vector<llama_token>& prompt) {
+    model_.clear_memory();
+    cached_.clear();
+    // The last prompt token is decoded by the first propose(), which needs its logits.
+    decode_range(prompt, 0, prompt.size() - 1, false);
+}
+
+void ModelDrafter::decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
+                                bool logits_on_last) {
+    const size_t chunk = static_cast<size_t>(batch_.capacity());
+    for (size_t start = from; start < to; start += chunk) {
+        const size_t end = std::min(to, start + chunk);
+        batch_.clear();
+        for (size_t i = start; i < end; ++i) {
+            batch_.add(tokens[i], static_cast<llama_pos>(cached_.size()),
+                       logits_on_last && i + 1 == to);
+            cached_.push_back(tokens[i]);
+        }
+        decode_(model_, batch_);
+    }
+}
+
+void ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
+    size_t common = 0;
+    const size_t limit = std::min(cached_.size(), committed.size() - 1);
+    while (common < limit && cached_[common] == committed[common]) ++common;
+    if (common < cached_.size()) {
+        model_.forget_from(static_cast<llama_pos>(common));
+        cached_.resize(common);
+    }
+    decode_range(committed, common, committed.size(), true);
+}
+
+void ModelDrafter::propose(const std::vector<llama_token>& committed, int k,
+                           const SamplingParams& sampling, Rng& rng, Draft& out) {
+    out.tokens.clear();
+    out.q.clear();
+    if (static_cast<size_t>(k) > q_.size()) q_.resize(static_cast<size_t>(k));
+    catch_up(committed);
+    const int n_vocab = model_.n_vocab();
+    for (int i = 0; i < k; ++i) {
+        const float* logits = llama_get_logits_ith(model_.ctx(), -1);
+        llama_token token;
+        if (sampling.greedy()) {
+            token = argmax(logits, n_vocab);
+            out.q.push_back(nullptr);
+        } else {
+            Distribution& q = q_[static_cast<size_t>(i)];
+            make_distribution(logits, n_vocab, sampling, workspace_, q);
+            token = sample(q, rng);
+            out.q.push_back(&q);
+        }
+        out.tokens.push_back(token);
+        // The last draft token is never decoded here: the target verifies it, and if it is
+        // accepted the next catch_up() decodes it together with the target's token.
+        if (i + 1 < k) decode_range(out.tokens, static_cast<size_t>(i), static_cast<size_t>(i) + 1, true);
+    }
+}
+
+}  // namespace specdec

@@ -1,0 +1,36 @@
+// The counters and timers of one generation.
+#pragma once
+
+#include <vector>
+
+namespace specdec {
+
+struct Stats {
+    int n_prompt = 0;         // prompt tokens
+    int n_generated = 0;      // tokens in the result
+    int n_target_passes = 0;  // target decodes after the prompt (one per step)
+    int n_drafted = 0;        // draft tokens proposed
+    int n_accepted = 0;       // draft tokens accepted
+    int n_cut = 0;            // committed tokens dropped by EOG, a stop string or max_tokens
+    int n_speculative_steps = 0;       // steps that drafted at least one token
+    std::vector<int> accepted_at;      // [i]: times draft position i+1 was accepted
+    std::vector<int> proposed_at;      // [i]: times draft position i+1 was proposed
+    double t_prompt = 0.0;    // seconds: prompt decode, both models
+    double t_draft = 0.0;     // seconds: drafting
+    double t_verify = 0.0;    // seconds: target decodes and acceptance
+    double t_total = 0.0;     // seconds: the whole call
+
+    void count_proposal(int k) {
+        n_drafted += k;
+        if (k > 0) ++n_speculative_steps;
+        if (proposed_at.size() < static_cast<size_t>(k)) proposed_at.resize(k, 0);
+        for (int i = 0; i < k; ++i) ++proposed_at[i];
+    }
+    void count_acceptance(int n) {
+        n_accepted += n;
+        if (accepted_at.size() < proposed_at.size()) accepted_at.resize(proposed_at.size(), 0);
+        for (int i = 0; i < n; ++i) ++accepted_at[i];
+    }
+};
+
+}  // namespace specdec

@@ -1,0 +1,346 @@
+"""The public Python API: SpeculativeDecoder and its results."""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from specdec_native import _core
+
+PathLike = Union[str, "os.PathLike[str]"]
+MAX_DRAFT = 64
+
+
+class EngineClosedError(RuntimeError):
+    """The decoder was used after close()."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Counters and timers of one generation (times in seconds)."""
+
+    n_prompt: int
+    n_generated: int
+    n_target_passes: int
+    n_drafted: int
+    n_accepted: int
+    n_cut: int
+    n_speculative_steps: int
+    accepted_at: list[int]
+    proposed_at: list[int]
+    t_prompt: float
+    t_draft: float
+    t_verify: float
+    t_total: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens (0 when nothing was drafted)."""
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens committed per target pass (accepted drafts + one target token)."""
+        passes = self.n_target_passes
+        return (self.n_accepted + passes) / passes if passes else 0.0
+
+    @property
+    def t_generation(self) -> float:
+        return max(self.t_total - self.t_prompt, 0.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of generation (prompt time excluded)."""
+        t = self.t_generation
+        return self.n_generated / t if t > 0 else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """For draft position i (from 1): accepted / proposed there."""
+        return [
+            (a / p if p else 0.0)
+            for a, p in zip(self.accepted_at + [0] * len(self.proposed_at), self.proposed_at)
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_pass=self.tokens_per_pass,
+            tokens_per_second=self.tokens_per_second,
+            acceptance_by_position=self.acceptance_by_position,
+            t_generation=self.t_generation,
+        )
+        return d
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop" | "length" | "context" | "cancelled"
+    stats: Stats
+    prompt_tokens: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.as_dict(),
+        }
+
+
+def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def _check_float(name: str, value: Any, ok: Callable[[float], bool], rule: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if math.isnan(v) or math.isinf(v) or not ok(v):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return v
+
+
+def _check_model_path(name: str, path: PathLike) -> str:
+    p = Path(os.fspath(path))
+    if not p.exists():
+        raise FileNotFoundError(f"{name} model not found: {p}")
+    if not p.is_file():
+        raise ValueError(f"{name} model is not a file: {p}")
+    return str(p)
+
+
+def _check_stop(stop: Union[str, Sequence[str], None]) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    for s in items:
+        if not isinstance(s, str):
+            raise ValueError(f"stop strings must be str, got {s!r}")
+        if s == "":
+            raise ValueError("stop strings must not be empty")
+    return items
+
+
+class SpeculativeDecoder:
+    """A target model, optionally a draft model, and the speculative loop between them.
+
+    ``n_draft`` (K) is how many tokens the draft proposes per step; without a draft, or with
+    ``n_draft=0``, the same engine decodes with the target alone (the baseline).
+    One generation runs at a time per decoder: concurrent calls from several threads are
+    serialized (each waits for the one before it).
+    """
+
+    def __init__(
+        self,
+        target: PathLike,
+        draft: Optional[PathLike] = None,
+        *,
+        n_draft: int = 4,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_threads: Optional[int] = None,
+        n_gpu_layers: int = 0,
+        draft_n_gpu_layers: Optional[int] = None,
+        verbose: bool = False,
+    ) -> None:
+        target_path = _check_model_path("target", target)
+        draft_path = None if draft is None else _check_model_path("draft", draft)
+        _check_int("n_draft", n_draft, 0, MAX_DRAFT)
+        _check_int("n_ctx", n_ctx, 16, 1 << 20)
+        _check_int("n_batch", n_batch, 1, 1 << 16)
+        threads = 0 if n_threads is None else _check_int("n_threads", n_threads, 1, 1024)
+        _check_int("n_gpu_layers", n_gpu_layers, -1)
+        d_ngl = n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers
+        _check_int("draft_n_gpu_layers", d_ngl, -1)
+        self._engine: Optional[_core.Engine] = _core.Engine(
+            target_path,
+            draft_path,
+            n_draft=n_draft,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_threads=threads,
+            n_gpu_layers=n_gpu_layers,
+            draft_n_gpu_layers=d_ngl,
+            verbose=verbose,
+        )
+        self.target_path = target_path
+        self.draft_path = draft_path
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Frees both models and contexts. Idempotent."""
+        self._engine = None
+
+    def __enter__(self) -> SpeculativeDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._engine is None
+
+    def _live(self) -> _core.Engine:
+        if self._engine is None:
+            raise EngineClosedError("this SpeculativeDecoder is closed")
+        return self._engine
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def n_draft(self) -> int:
+        return self._live().n_draft
+
+    @property
+    def has_draft(self) -> bool:
+        return self._live().has_draft
+
+    @property
+    def n_ctx(self) -> int:
+        return self._live().n_ctx
+
+    def info(self) -> dict[str, Any]:
+        """Architecture, size and vocabulary of the target (and draft)."""
+        e = self._live()
+        return {"target": e.model_info(False), "draft": e.model_info(True) or None}
+
+    # -- text ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be str, got {type(text).__name__}")
+        return self._live().tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._live().detokenize(list(tokens))
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Formats messages ([{"role": ..., "content": ...}]) with the model's own template."""
+        pairs = []
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError("each message must be a dict with 'role' and 'content'")
+            pairs.append((str(m["role"]), str(m["content"])))
+        if not pairs:
+            raise ValueError("messages must not be empty")
+        return self._live().apply_chat_template(pairs, add_generation_prompt)
+
+    def next_token_logits(self, tokens: Sequence[int]) -> list[float]:
+        """The target's logits for the token after ``tokens`` (a fresh batched read)."""
+        return self._live().next_token_logits(list(tokens))
+
+    # -- generation ------------------------------------------------------------------------
+
+    def _prompt_tokens(self, prompt: Union[str, Sequence[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("the prompt is empty")
+            tokens = self.tokenize(prompt, add_special=True, parse_special=True)
+        else:
+            tokens = [_check_int("prompt token", t, 0) for t in prompt]
+        if not tokens:
+            raise ValueError("the prompt has no tokens")
+        return tokens
+
+    def generate(
+        self,
+        prompt: Union[str, Sequence[int]],
+        max_tokens: int = 128,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = None,
+        n_draft: Optional[int] = None,
+        on_text: Optional[Callable[[str], None]] = None,
+    ) -> GenerationResult:
+        """Generates up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
+
+        temperature 0 is greedy. Otherwise target and draft distributions both get temperature,
+        top_k, top_p and min_p (in that order), and rejection sampling makes the output follow
+        the target's distribution exactly. ``seed`` fixes the random stream (None: random).
+        ``on_text`` receives the text as it is committed, in whole UTF-8 characters.
+        Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
+        """
+        engine = self._live()
+        tokens = self._prompt_tokens(prompt)
+        _check_int("max_tokens", max_tokens, 1)
+        temperature = _check_float("temperature", temperature, lambda v: v >= 0, "finite and >= 0")
+        _check_int("top_k", top_k, 0)
+        top_p = _check_float("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        min_p = _check_float("min_p", min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        if seed is None:
+            seed = random.getrandbits(64)
+        _check_int("seed", seed, 0, (1 << 64) - 1)
+        stops = _check_stop(stop)
+        k = -1 if n_draft is None else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
+        out = engine.generate(
+            tokens, max_tokens, temperature, top_k, top_p, min_p, seed, stops, k, on_text
+        )
+        return GenerationResult(
+            text=out["text"],
+            tokens=list(out["tokens"]),
+            finish_reason=out["finish_reason"],
+            stats=Stats(**out["stats"]),
+            prompt_tokens=tokens,
+        )
+
+    def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, **kwargs: Any) -> Iterator[str]:
+        """Yields text pieces as they are generated (same arguments as generate()).
+
+        Generation runs in a worker thread; closing the iterator early (break, or an exception
+        in the consumer) cancels it.
+        """
+        if "on_text" in kwargs:
+            raise ValueError("stream() does not take on_text")
+        engine = self._live()
+        pieces: queue.Queue[tuple[str, Any]] = queue.Queue()
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                result = self.generate(prompt, max_tokens, on_text=lambda t: pieces.put(("text", t)), **kwargs)
+                pieces.put(("done", result))
+            except BaseException as exc:  # handed to the consumer thread
+                pieces.put(("error", exc))
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=work, name="specdec-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                kind, value = pieces.get()
+                if kind == "text":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    self.last_result: Optional[GenerationResult] = value
+                    return
+        finally:
+            if not done.is_set():
+                engine.cancel()
+            worker.join()
