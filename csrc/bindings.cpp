@@ -192,6 +192,8 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("has_draft", [](const Engine& e) { return e.draft() != nullptr; })
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 
+    m.def("set_log_verbose", &install_log_handler, py::arg("verbose"),
+          "Routes llama.cpp's log through specdec: printed when verbose, else kept for errors.");
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
 

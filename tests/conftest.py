@@ -1,0 +1,75 @@
+"""Shared fixtures: real models, fetched or built once per session (cached across sessions in
+$SPECDEC_CACHE, default ~/.cache/specdec)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import specdec_native as sd
+from specdec_native import models
+
+# Target top-2 logit gap below which a greedy divergence is a float near-tie: batched
+# verification and one-token decoding use different kernels, so their logits differ by rounding.
+NEAR_TIE_GAP = 0.1
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def fibonacci(n):\n    ",
+    "Ingredients for pancakes:\n1.",
+    '{"name": "Alice", "age": 30, "city":',
+    "Once upon a time, there was a little girl who",
+    "Q: What is the capital of France?\nA:",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return models.fetch_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_q40(smollm2: Path) -> Path:
+    return models.build_deep_pair(smollm2).draft
+
+
+@pytest.fixture(scope="session")
+def deep_pair() -> models.ModelPair:
+    return models.default_pair()
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    return models.fetch_gemma3()
+
+
+@pytest.fixture(scope="session")
+def gemma3_q40(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = models.cache_dir() / "gemma-3-270m.Q4_0.gguf"
+    if not out.exists():
+        models.quantize(gemma3, out, "Q4_0")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_dir: Path) -> models.ModelPair:
+    return models.build_tiny_pair(tiny_dir, seed=0, draft_noise=0.5)
+
+
+@pytest.fixture(scope="session")
+def deep_decoder(deep_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]:
+    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_draft=4, n_ctx=1024) as dec:
+        yield dec
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tiny_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]:
+    with sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, n_draft=3, n_ctx=256, n_threads=1) as dec:
+        yield dec

@@ -1,0 +1,108 @@
+"""Generation on real models: sampling, stops, streaming, threads, interrupts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import assert_stats_add_up
+
+import specdec_native as sd
+from conftest import PROMPTS
+
+
+def test_same_seed_same_output(deep_decoder: sd.SpeculativeDecoder) -> None:
+    a = deep_decoder.generate(PROMPTS[0], 30, temperature=0.8, seed=42)
+    b = deep_decoder.generate(PROMPTS[0], 30, temperature=0.8, seed=42)
+    assert a.tokens == b.tokens
+    assert_stats_add_up(a.stats, len(a.tokens))
+
+
+def test_different_seeds_differ(deep_decoder: sd.SpeculativeDecoder) -> None:
+    outs = {tuple(deep_decoder.generate(PROMPTS[4], 30, temperature=1.0, seed=s).tokens) for s in range(4)}
+    assert len(outs) > 1
+
+
+def test_transforms_accepted(deep_decoder: sd.SpeculativeDecoder) -> None:
+    r = deep_decoder.generate(PROMPTS[2], 20, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=1)
+    assert r.stats.n_generated == len(r.tokens) > 0
+
+
+def test_max_tokens_is_exact(deep_decoder: sd.SpeculativeDecoder) -> None:
+    for n in (1, 2, 7):
+        r = deep_decoder.generate(PROMPTS[0], n)
+        assert len(r.tokens) == n and r.finish_reason == "length"
+        assert_stats_add_up(r.stats, n)
+
+
+def test_stop_string_cuts_text(deep_decoder: sd.SpeculativeDecoder) -> None:
+    full = deep_decoder.generate(PROMPTS[1], 40)
+    word = full.text.strip().split()[2]
+    r = deep_decoder.generate(PROMPTS[1], 40, stop=[word])
+    assert r.finish_reason == "stop"
+    assert word not in r.text
+    assert full.text.startswith(r.text)
+    assert_stats_add_up(r.stats, len(r.tokens))
+
+
+def test_eog_stops_generation(deep_decoder: sd.SpeculativeDecoder) -> None:
+    chat = deep_decoder.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    assert "Say hi." in chat
+    r = deep_decoder.generate(chat, 300)
+    assert r.finish_reason in ("stop", "length")
+    assert_stats_add_up(r.stats, len(r.tokens))
+
+
+def test_context_full(deep_pair) -> None:  # type: ignore[no-untyped-def]
+    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=64) as dec:
+        r = dec.generate(PROMPTS[0], 500)
+        assert r.finish_reason == "context"
+        # llama.cpp rounds the context up; the decoder reports the real size.
+        assert len(r.prompt_tokens) + len(r.tokens) == dec.n_ctx + 1
+        with pytest.raises(sd.ContextOverflowError):
+            dec.generate("word " * (dec.n_ctx + 10), 5)
+
+
+def test_streaming_matches_result(deep_decoder: sd.SpeculativeDecoder) -> None:
+    pieces: list[str] = []
+    r = deep_decoder.generate(PROMPTS[3], 30, on_text=pieces.append)
+    assert "".join(pieces) == r.text
+    streamed = "".join(deep_decoder.stream(PROMPTS[3], 30))
+    assert streamed == r.text
+
+
+def test_callback_exception_propagates_and_engine_survives(deep_decoder: sd.SpeculativeDecoder) -> None:
+    def boom(_: str) -> None:
+        raise KeyError("stop here")
+
+    with pytest.raises(KeyError):
+        deep_decoder.generate(PROMPTS[0], 50, on_text=boom)
+    assert len(deep_decoder.generate(PROMPTS[0], 5).tokens) == 5
+
+
+def test_stream_closed_early_cancels(deep_decoder: sd.SpeculativeDecoder) -> None:
+    it = deep_decoder.stream(PROMPTS[0], 400)
+    next(it)
+    it.close()
+    assert len(deep_decoder.generate(PROMPTS[0], 3).tokens) == 3
+
+
+def test_threads_are_serialized(deep_decoder: sd.SpeculativeDecoder) -> None:
+    expected = deep_decoder.generate(PROMPTS[5], 20).tokens
+    results: list[list[int]] = []
+
+    def work() -> None:
+        results.append(deep_decoder.generate(PROMPTS[5], 20).tokens)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [expected] * 3
+
+
+def test_tokenize_roundtrip(deep_decoder: sd.SpeculativeDecoder) -> None:
+    text = "Hello, world! Ünïcödé ✓"
+    ids = deep_decoder.tokenize(text, add_special=False)
+    assert deep_decoder.detokenize(ids) == text

@@ -1,0 +1,58 @@
+"""Greedy speculative decoding produces the target's own greedy output (up to float near-ties)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import assert_same_or_near_tie, assert_stats_add_up
+
+import specdec_native as sd
+from conftest import NEAR_TIE_GAP, PROMPTS
+from specdec_native import models
+
+
+def check_pair(target: Path, draft: Path, n_draft: int, max_tokens: int = 40) -> float:
+    accepted = drafted = 0
+    with sd.SpeculativeDecoder(target, draft, n_draft=n_draft, n_ctx=1024) as dec:
+        for prompt in PROMPTS:
+            base = dec.generate(prompt, max_tokens, n_draft=0)
+            spec = dec.generate(prompt, max_tokens)
+            assert base.stats.n_drafted == 0
+            assert_same_or_near_tie(dec, spec.prompt_tokens, spec.tokens, base.tokens, NEAR_TIE_GAP)
+            assert_stats_add_up(spec.stats, len(spec.tokens))
+            assert_stats_add_up(base.stats, len(base.tokens))
+            accepted += spec.stats.n_accepted
+            drafted += spec.stats.n_drafted
+    return accepted / drafted
+
+
+def test_deep_pair(deep_pair: models.ModelPair) -> None:
+    rate = check_pair(deep_pair.target, deep_pair.draft, n_draft=4)
+    assert 0.2 < rate < 1.0  # a real pair: the draft is often right, never always
+
+
+def test_smollm2_q41_target_q40_draft(smollm2: Path, smollm2_q40: Path) -> None:
+    rate = check_pair(smollm2, smollm2_q40, n_draft=5)
+    assert rate > 0.5
+
+
+def test_gemma3_q4km_target_q40_draft(gemma3: Path, gemma3_q40: Path) -> None:
+    rate = check_pair(gemma3, gemma3_q40, n_draft=3, max_tokens=24)
+    assert rate > 0.3
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_any_draft_length(deep_decoder: sd.SpeculativeDecoder, k: int) -> None:
+    prompt = PROMPTS[1]
+    base = deep_decoder.generate(prompt, 32, n_draft=0)
+    spec = deep_decoder.generate(prompt, 32, n_draft=k)
+    assert_same_or_near_tie(deep_decoder, spec.prompt_tokens, spec.tokens, base.tokens, NEAR_TIE_GAP)
+    assert len(spec.stats.proposed_at) <= k
+
+
+def test_self_pair_accepts_everything(smollm2: Path) -> None:
+    with sd.SpeculativeDecoder(smollm2, smollm2, n_draft=4, n_ctx=512) as dec:
+        r = dec.generate(PROMPTS[0], 30)
+    assert r.stats.n_drafted > 0
+    assert r.stats.acceptance_rate > 0.95
