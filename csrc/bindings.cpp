@@ -54,8 +54,12 @@ ModelParams model_params(const std::string& path, int n_gpu_layers, int n_ctx, i
 // KeyboardInterrupt from a signal handler), to re-raise once the engine has unwound.
 struct PendingError {
     std::optional<py::error_already_set> error;
-    void capture() {
+    // Takes the error from Python's error indicator.
+    void capture_indicator() {
         if (!error) error.emplace();
+    }
+    void capture(py::error_already_set&& e) {
+        if (!error) error.emplace(std::move(e));
     }
 };
 
@@ -67,8 +71,8 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
             py::gil_scoped_acquire gil;
             try {
                 on_text(to_str(text));
-            } catch (py::error_already_set&) {
-                pending.capture();
+            } catch (py::error_already_set& e) {
+                pending.capture(std::move(e));
                 throw Cancelled("callback raised");
             }
         };
@@ -76,7 +80,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     StopCheck should_stop = [&]() {
         py::gil_scoped_acquire gil;
         if (PyErr_CheckSignals() != 0) {
-            pending.capture();
+            pending.capture_indicator();
             return true;
         }
         return false;
