@@ -6,7 +6,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, TypeVar
 
 import click
 
@@ -45,7 +45,7 @@ def cli() -> None:
     """Speculative decoding for GGUF models on llama.cpp."""
 
 
-def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("give either -p or -f, not both")
     if prompt_file is not None:
@@ -75,8 +75,14 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
         ("drafted / accepted", f"{stats.n_drafted} / {stats.n_accepted}"),
         ("acceptance rate", f"{stats.acceptance_rate:.3f}"),
         ("tokens per target pass", f"{stats.tokens_per_pass:.2f}"),
-        ("acceptance by position", " ".join(f"{a:.2f}" for a in stats.acceptance_by_position) or "-"),
-        ("time prompt / draft / verify", f"{stats.t_prompt:.3f}s / {stats.t_draft:.3f}s / {stats.t_verify:.3f}s"),
+        (
+            "acceptance by position",
+            " ".join(f"{a:.2f}" for a in stats.acceptance_by_position) or "-",
+        ),
+        (
+            "time prompt / draft / verify",
+            f"{stats.t_prompt:.3f}s / {stats.t_draft:.3f}s / {stats.t_verify:.3f}s",
+        ),
         ("time total", f"{stats.t_total:.3f}s"),
         ("generation speed", f"{stats.tokens_per_second:.1f} tok/s"),
     ]
@@ -89,10 +95,22 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
 @click.option("--draft", "draft", type=click.Path(path_type=Path), help="Draft model GGUF.")
 @click.option("--no-draft", is_flag=True, help="Target only (the baseline).")
 @click.option("-p", "--prompt", help="Prompt text (default: stdin, else a built-in prompt).")
-@click.option("-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
 @click.option("-n", "--max-tokens", default=128, show_default=True, type=int)
-@click.option("-k", "--draft-max", "n_draft", default=4, show_default=True, type=int, help="Tokens drafted per step (K).")
-@click.option("--temp", "temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option(
+    "-k",
+    "--draft-max",
+    "n_draft",
+    default=4,
+    show_default=True,
+    type=int,
+    help="Tokens drafted per step (K).",
+)
+@click.option(
+    "--temp", "temperature", default=0.0, show_default=True, type=float, help="0 = greedy."
+)
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--min-p", default=0.0, show_default=True, type=float)
@@ -108,11 +126,27 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @user_errors
 def run(
-    target: Optional[Path], draft: Optional[Path], no_draft: bool, prompt: Optional[str],
-    prompt_file: Optional[Path], max_tokens: int, n_draft: int, temperature: float, top_k: int,
-    top_p: float, min_p: float, seed: Optional[int], stop: tuple[str, ...], n_ctx: int,
-    n_threads: Optional[int], n_batch: int, n_gpu_layers: int, draft_n_gpu_layers: Optional[int],
-    chat: bool, as_json: bool, verbose: bool,
+    target: Path | None,
+    draft: Path | None,
+    no_draft: bool,
+    prompt: str | None,
+    prompt_file: Path | None,
+    max_tokens: int,
+    n_draft: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    seed: int | None,
+    stop: tuple[str, ...],
+    n_ctx: int,
+    n_threads: int | None,
+    n_batch: int,
+    n_gpu_layers: int,
+    draft_n_gpu_layers: int | None,
+    chat: bool,
+    as_json: bool,
+    verbose: bool,
 ) -> None:
     """Generate from TARGET, drafting with --draft.
 
@@ -120,7 +154,10 @@ def run(
     SmolLM2-135M as the draft and a synthetic 6x-deep SmolLM2 target.
     """
     from specdec_native import SpeculativeDecoder, models
+    from specdec_native.decoder import MAX_DRAFT
 
+    if not 0 <= n_draft <= MAX_DRAFT:
+        raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {n_draft}")
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -131,8 +168,14 @@ def run(
         draft = None
     text = _read_prompt(prompt, prompt_file)
     with SpeculativeDecoder(
-        target, draft, n_draft=n_draft if draft is not None else 0, n_ctx=n_ctx, n_batch=n_batch,
-        n_threads=n_threads, n_gpu_layers=n_gpu_layers, draft_n_gpu_layers=draft_n_gpu_layers,
+        target,
+        draft,
+        n_draft=n_draft if draft is not None else 0,
+        n_ctx=n_ctx,
+        n_batch=n_batch,
+        n_threads=n_threads,
+        n_gpu_layers=n_gpu_layers,
+        draft_n_gpu_layers=draft_n_gpu_layers,
         verbose=verbose,
     ) as sd:
         if chat:
@@ -143,8 +186,15 @@ def run(
             sys.stdout.flush()
 
         result = sd.generate(
-            text, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            seed=seed, stop=list(stop), on_text=None if as_json else echo,
+            text,
+            max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            stop=list(stop),
+            on_text=None if as_json else echo,
         )
     if as_json:
         click.echo(json.dumps(result.as_dict(), ensure_ascii=False))
@@ -155,10 +205,12 @@ def run(
 
 @cli.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("--draft", type=click.Path(path_type=Path), help="Also check this draft against MODEL.")
+@click.option(
+    "--draft", type=click.Path(path_type=Path), help="Also check this draft against MODEL."
+)
 @click.option("--json", "as_json", is_flag=True)
 @user_errors
-def info(model: Path, draft: Optional[Path], as_json: bool) -> None:
+def info(model: Path, draft: Path | None, as_json: bool) -> None:
     """Architecture, size, vocabulary, devices, and the pair's compatibility verdict."""
     import specdec_native as sd
     from specdec_native import _core
@@ -185,9 +237,15 @@ def info(model: Path, draft: Optional[Path], as_json: bool) -> None:
         m = data[role]
         click.echo(f"{role}: {m['path']}")
         click.echo(f"  architecture  {m['architecture']} ({m['description']})")
-        click.echo(f"  parameters    {m['n_params'] / 1e6:.1f} M, {m['size_bytes'] / 2**20:.1f} MiB, {m['n_layer']} layers")
-        click.echo(f"  vocabulary    {m['n_vocab']} tokens (type {m['vocab_type']}), bos {m['bos']}, eos {m['eos']}")
-        click.echo(f"  context       trained {m['n_ctx_train']}, chat template: {'yes' if m['has_chat_template'] else 'no'}")
+        click.echo(
+            f"  parameters    {m['n_params'] / 1e6:.1f} M, {m['size_bytes'] / 2**20:.1f} MiB, {m['n_layer']} layers"
+        )
+        click.echo(
+            f"  vocabulary    {m['n_vocab']} tokens (type {m['vocab_type']}), bos {m['bos']}, eos {m['eos']}"
+        )
+        click.echo(
+            f"  context       trained {m['n_ctx_train']}, chat template: {'yes' if m['has_chat_template'] else 'no'}"
+        )
     click.echo(f"pair: {verdict}")
     click.echo(f"gpu offload: {'available' if data['gpu_offload'] else 'not built in'}")
     click.echo(f"backend: {data['system']}")
@@ -212,19 +270,35 @@ def models_fetch(which: str) -> None:
 
 
 @models.command("deep-pair")
-@click.option("--source", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Default: SmolLM2-135M.")
-@click.option("--copies", default=5, show_default=True, type=int, help="Extra copies of all layers.")
-@click.option("--eps", default=0.01, show_default=True, type=float, help="Scale of the copies' residual writes.")
+@click.option(
+    "--source",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Default: SmolLM2-135M.",
+)
+@click.option(
+    "--copies", default=5, show_default=True, type=int, help="Extra copies of all layers."
+)
+@click.option(
+    "--eps",
+    default=0.01,
+    show_default=True,
+    type=float,
+    help="Scale of the copies' residual writes.",
+)
 @click.option("--quant", default="Q4_0", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path))
 @user_errors
-def models_deep_pair(source: Optional[Path], copies: int, eps: float, quant: str, out_dir: Optional[Path]) -> None:
+def models_deep_pair(
+    source: Path | None, copies: int, eps: float, quant: str, out_dir: Path | None
+) -> None:
     """Build the deep-target pair (synthetic target = model + scaled layer copies)."""
     from specdec_native import models as m
 
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    pair = m.build_deep_pair(source, extra_copies=copies, epsilon=eps, quant=quant, out_dir=out_dir, progress=progress)
+    pair = m.build_deep_pair(
+        source, extra_copies=copies, epsilon=eps, quant=quant, out_dir=out_dir, progress=progress
+    )
     click.echo(f"target {pair.target}\ndraft  {pair.draft}")
 
 

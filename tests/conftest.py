@@ -71,5 +71,7 @@ def deep_decoder(deep_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]
 
 @pytest.fixture(scope="session")
 def tiny_decoder(tiny_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]:
-    with sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, n_draft=3, n_ctx=256, n_threads=1) as dec:
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, tiny_pair.draft, n_draft=3, n_ctx=256, n_threads=1
+    ) as dec:
         yield dec

@@ -23,7 +23,11 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def assert_same_or_near_tie(
-    dec: sd.SpeculativeDecoder, prompt: Sequence[int], spec: Sequence[int], base: Sequence[int], gap: float
+    dec: sd.SpeculativeDecoder,
+    prompt: Sequence[int],
+    spec: Sequence[int],
+    base: Sequence[int],
+    gap: float,
 ) -> None:
     """Speculative greedy output equals target-only output, or first differs at a near-tie."""
     i = first_divergence(spec, base)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import PROMPTS
 from helpers import assert_stats_add_up
 
 import specdec_native as sd
-from conftest import PROMPTS
 
 
 def test_same_seed_same_output(deep_decoder: sd.SpeculativeDecoder) -> None:
@@ -19,12 +19,17 @@ def test_same_seed_same_output(deep_decoder: sd.SpeculativeDecoder) -> None:
 
 
 def test_different_seeds_differ(deep_decoder: sd.SpeculativeDecoder) -> None:
-    outs = {tuple(deep_decoder.generate(PROMPTS[4], 30, temperature=1.0, seed=s).tokens) for s in range(4)}
+    outs = {
+        tuple(deep_decoder.generate(PROMPTS[4], 30, temperature=1.0, seed=s).tokens)
+        for s in range(4)
+    }
     assert len(outs) > 1
 
 
 def test_transforms_accepted(deep_decoder: sd.SpeculativeDecoder) -> None:
-    r = deep_decoder.generate(PROMPTS[2], 20, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=1)
+    r = deep_decoder.generate(
+        PROMPTS[2], 20, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=1
+    )
     assert r.stats.n_generated == len(r.tokens) > 0
 
 
@@ -71,7 +76,9 @@ def test_streaming_matches_result(deep_decoder: sd.SpeculativeDecoder) -> None:
     assert streamed == r.text
 
 
-def test_callback_exception_propagates_and_engine_survives(deep_decoder: sd.SpeculativeDecoder) -> None:
+def test_callback_exception_propagates_and_engine_survives(
+    deep_decoder: sd.SpeculativeDecoder,
+) -> None:
     def boom(_: str) -> None:
         raise KeyError("stop here")
 

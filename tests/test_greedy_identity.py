@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import NEAR_TIE_GAP, PROMPTS
 from helpers import assert_same_or_near_tie, assert_stats_add_up
 
 import specdec_native as sd
-from conftest import NEAR_TIE_GAP, PROMPTS
 from specdec_native import models
 
 
@@ -47,7 +47,9 @@ def test_any_draft_length(deep_decoder: sd.SpeculativeDecoder, k: int) -> None:
     prompt = PROMPTS[1]
     base = deep_decoder.generate(prompt, 32, n_draft=0)
     spec = deep_decoder.generate(prompt, 32, n_draft=k)
-    assert_same_or_near_tie(deep_decoder, spec.prompt_tokens, spec.tokens, base.tokens, NEAR_TIE_GAP)
+    assert_same_or_near_tie(
+        deep_decoder, spec.prompt_tokens, spec.tokens, base.tokens, NEAR_TIE_GAP
+    )
     assert len(spec.stats.proposed_at) <= k
 
 

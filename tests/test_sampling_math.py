@@ -82,8 +82,17 @@ def test_whole_rule_reproduces_p() -> None:
     assert math.isclose(accepted.mean(), np.minimum(p, q).sum(), abs_tol=0.01)
 
 
-@pytest.mark.parametrize("bad", [(-1.0, 0, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (1.0, 0, 0.0, 0.0),
-                                 (1.0, 0, 1.5, 0.0), (1.0, 0, 1.0, 2.0), (float("nan"), 0, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        (-1.0, 0, 1.0, 0.0),
+        (1.0, -1, 1.0, 0.0),
+        (1.0, 0, 0.0, 0.0),
+        (1.0, 0, 1.5, 0.0),
+        (1.0, 0, 1.0, 2.0),
+        (float("nan"), 0, 1.0, 0.0),
+    ],
+)
 def test_bad_transforms_rejected(bad: tuple[float, int, float, float]) -> None:
     with pytest.raises(ValueError):
         _core.distribution(LOGITS.tolist(), *bad)

@@ -1,0 +1,105 @@
+"""specdec-cli as a user runs it: a real subprocess, real models."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from specdec_native import models
+
+CLI = [sys.executable, "-m", "cli.main"]
+
+
+def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ},
+    )
+
+
+def test_run_json(deep_pair: models.ModelPair) -> None:
+    r = run_cli(
+        "run", deep_pair.target, "--draft", deep_pair.draft, "-p", "Hello", "-n", "12", "--json"
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) == 12
+    assert out["stats"]["n_generated"] == 12
+    assert out["finish_reason"] == "length"
+
+
+def test_run_streams_text_and_prints_stats(deep_pair: models.ModelPair) -> None:
+    r = run_cli(
+        "run",
+        deep_pair.target,
+        "--draft",
+        deep_pair.draft,
+        "-n",
+        "10",
+        "-k",
+        "3",
+        stdin="Once upon a time",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "acceptance rate" in r.stderr and "tok/s" in r.stderr
+
+
+def test_run_no_draft_and_chat(deep_pair: models.ModelPair) -> None:
+    r = run_cli("run", deep_pair.target, "--no-draft", "--chat", "-p", "Hi", "-n", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["n_drafted"] == 0
+
+
+def test_prompt_from_file(deep_pair: models.ModelPair, tmp_path: Path) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("The sky is")
+    r = run_cli("run", deep_pair.target, "--draft", deep_pair.draft, "-f", f, "-n", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["n_prompt"] >= 3
+
+
+def test_user_errors_are_one_line(
+    tiny_pair: models.ModelPair, smollm2: Path, tmp_path: Path
+) -> None:
+    bad_file = tmp_path / "bad.gguf"
+    bad_file.write_text("no")
+    cases = [
+        ("run", tmp_path / "missing.gguf", "-p", "x"),
+        ("run", bad_file, "-p", "x"),
+        ("run", smollm2, "--draft", tiny_pair.target, "-p", "x"),
+        ("run", tiny_pair.target, "--temp", "-1", "-p", "x"),
+        ("run", tiny_pair.target, "--top-p", "2", "-p", "x"),
+        ("run", tiny_pair.target, "-k", "-2", "-p", "x"),
+    ]
+    for args in cases:
+        r = run_cli(*map(str, args))
+        assert r.returncode != 0, args
+        assert "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().startswith("Error:"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_info_reports_pair_verdict(
+    smollm2: Path, smollm2_q40: Path, tiny_pair: models.ModelPair
+) -> None:
+    r = run_cli("info", smollm2, "--draft", smollm2_q40)
+    assert r.returncode == 0, r.stderr
+    assert "pair: compatible" in r.stdout and "llama" in r.stdout
+    r = run_cli("info", smollm2, "--draft", tiny_pair.target, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["pair"].startswith("incompatible")
+
+
+def test_models_tiny_pair_command(tmp_path: Path) -> None:
+    r = run_cli("models", "tiny-pair", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert len(list(tmp_path.glob("*.gguf"))) == 2

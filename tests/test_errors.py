@@ -1,0 +1,109 @@
+"""Bad input: a clear exception, never a crash."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import specdec_native as sd
+from specdec_native import models
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        sd.SpeculativeDecoder(tmp_path / "nope.gguf")
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    f = tmp_path / "empty.gguf"
+    f.write_bytes(b"")
+    with pytest.raises(sd.ModelLoadError, match="empty"):
+        sd.SpeculativeDecoder(f)
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    f = tmp_path / "text.gguf"
+    f.write_text("hello, I am not a model")
+    with pytest.raises(sd.ModelLoadError, match="not a GGUF"):
+        sd.SpeculativeDecoder(f)
+
+
+def test_truncated_gguf(tmp_path: Path, tiny_pair: models.ModelPair) -> None:
+    data = tiny_pair.target.read_bytes()
+    for cut in (8, 100, len(data) // 2, len(data) - 10):
+        f = tmp_path / f"cut{cut}.gguf"
+        f.write_bytes(data[:cut])
+        with pytest.raises(sd.ModelLoadError):
+            sd.SpeculativeDecoder(f)
+
+
+def test_directory_as_model(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a file"):
+        sd.SpeculativeDecoder(tmp_path)
+
+
+def test_vocab_mismatch(smollm2: Path, tiny_pair: models.ModelPair) -> None:
+    with pytest.raises(sd.VocabMismatchError, match="vocabulary"):
+        sd.SpeculativeDecoder(smollm2, tiny_pair.target)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": -3},
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"top_p": 0.0},
+        {"top_p": 1.01},
+        {"top_k": -1},
+        {"min_p": -0.5},
+        {"n_draft": -1},
+        {"n_draft": 10_000},
+        {"stop": [""]},
+        {"stop": [3]},
+        {"seed": -1},
+    ],
+)
+def test_bad_generate_arguments(tiny_decoder: sd.SpeculativeDecoder, kwargs: dict) -> None:  # type: ignore[type-arg]
+    args = {"max_tokens": 5, **kwargs}
+    with pytest.raises(ValueError):
+        tiny_decoder.generate("the", **args)
+
+
+def test_bad_prompts(tiny_decoder: sd.SpeculativeDecoder) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        tiny_decoder.generate("", 5)
+    with pytest.raises(ValueError):
+        tiny_decoder.generate([], 5)
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny_decoder.generate([1, 10_000_000], 5)
+    with pytest.raises(ValueError):
+        tiny_decoder.generate([1, -4], 5)
+    with pytest.raises(sd.ContextOverflowError):
+        tiny_decoder.generate([1] * 5000, 5)
+
+
+def test_invalid_utf8_surrogates(tiny_decoder: sd.SpeculativeDecoder) -> None:
+    with pytest.raises((ValueError, UnicodeError)):
+        tiny_decoder.generate("bad \udcff text", 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"n_draft": -1}, {"n_draft": 65}, {"n_ctx": 0}, {"n_batch": 0}, {"n_threads": 0}]
+)
+def test_bad_constructor_arguments(tiny_pair: models.ModelPair, kwargs: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError):
+        sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, **kwargs)
+
+
+def test_use_after_close(tiny_pair: models.ModelPair) -> None:
+    dec = sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft)
+    dec.close()
+    dec.close()  # idempotent
+    with pytest.raises(sd.EngineClosedError):
+        dec.generate("the", 3)
+    with pytest.raises(sd.EngineClosedError):
+        dec.tokenize("the")

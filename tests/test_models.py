@@ -1,0 +1,79 @@
+"""The model builders and fetchers produce GGUF files that llama.cpp loads and generates from."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import PROMPTS
+
+import specdec_native as sd
+from specdec_native import models
+
+
+def greedy_agreement(pair: models.ModelPair, prompts: list[str], n: int = 40) -> float:
+    """Teacher-forced greedy agreement: with K=1 the draft guesses each next target token."""
+    acc = drafted = 0
+    with sd.SpeculativeDecoder(pair.target, pair.draft, n_draft=1, n_ctx=512) as dec:
+        for p in prompts:
+            s = dec.generate(p, n).stats
+            acc += s.n_accepted
+            drafted += s.n_drafted
+    return acc / drafted
+
+
+def test_fetch_is_idempotent_and_offline(
+    smollm2: Path, gemma3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mtimes = (smollm2.stat().st_mtime_ns, gemma3.stat().st_mtime_ns)
+
+    def no_network(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a second fetch must not run anything: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_network)
+    assert models.fetch_smollm2() == smollm2
+    assert models.fetch_gemma3() == gemma3
+    assert (smollm2.stat().st_mtime_ns, gemma3.stat().st_mtime_ns) == mtimes
+    assert (
+        models._sha256(gemma3) == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    )
+
+
+def test_real_models_generate(smollm2: Path, gemma3: Path) -> None:
+    for path, n_vocab in ((smollm2, 49152), (gemma3, 262144)):
+        with sd.SpeculativeDecoder(path, n_ctx=256) as dec:
+            assert dec.info()["target"]["n_vocab"] == n_vocab
+            r = dec.generate("The capital of France is", 8)
+            assert len(r.tokens) == 8 and r.text.strip()
+
+
+def test_deep_pair_shape(deep_pair: models.ModelPair) -> None:
+    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=256) as dec:
+        info = dec.info()
+    assert info["target"]["n_layer"] == 6 * info["draft"]["n_layer"]
+    # Embeddings are not copied: 135 M + 5 x 106 M of layers.
+    assert 4.5 < info["target"]["n_params"] / info["draft"]["n_params"] < 5.5
+
+
+def test_deep_pair_agreement_falls_as_epsilon_grows(smollm2: Path, tmp_path: Path) -> None:
+    small = models.build_deep_pair(smollm2, extra_copies=1, epsilon=0.02, out_dir=tmp_path)
+    large = models.build_deep_pair(smollm2, extra_copies=1, epsilon=0.5, out_dir=tmp_path)
+    a_small = greedy_agreement(small, PROMPTS[:3])
+    a_large = greedy_agreement(large, PROMPTS[:3])
+    assert a_small > a_large + 0.05
+    assert a_small > 0.7
+
+
+def test_tiny_pair(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    near = models.build_tiny_pair(tmp_path, seed=0, draft_noise=0.1)
+    with sd.SpeculativeDecoder(tiny_pair.target, n_ctx=256) as dec:
+        info = dec.info()["target"]
+        assert 300 <= info["n_vocab"] <= 400
+        r = dec.generate("the cat", 10, temperature=1.0, seed=0)
+        assert len(r.tokens) == 10
+    # A draft with less noise agrees with the target more often.
+    far_rate = greedy_agreement(tiny_pair, ["the", "a cat", "and"], 30)
+    near_rate = greedy_agreement(near, ["the", "a cat", "and"], 30)
+    assert near_rate > far_rate

@@ -1,0 +1,118 @@
+"""Process-level behaviour: one libllama, Ctrl-C, no crash on a corpus of bad inputs."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from specdec_native import models
+
+MAPPED = "sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libllama' in l})"
+
+
+@pytest.mark.parametrize(
+    "first,second", [("llama_cpp", "specdec_native"), ("specdec_native", "llama_cpp")]
+)
+def test_one_libllama_whatever_the_import_order(first: str, second: str) -> None:
+    code = f"import {first}, {second}; print(len({MAPPED}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+
+
+def test_sigint_stops_generation_and_engine_survives(deep_pair: models.ModelPair) -> None:
+    script = textwrap.dedent(f"""
+        import sys, time, specdec_native as sd
+        dec = sd.SpeculativeDecoder({str(deep_pair.target)!r}, {str(deep_pair.draft)!r}, n_ctx=2048)
+        print("ready", flush=True)
+        t0 = time.time()
+        try:
+            dec.generate("Once upon a time", 1500)
+            print("finished", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", round(time.time() - t0, 2), flush=True)
+        r = dec.generate("Hello", 3)
+        print("after", len(r.tokens), flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(1.5)
+    sent = time.time()
+    proc.send_signal(signal.SIGINT)
+    line = proc.stdout.readline().split()
+    stopped_after = time.time() - sent
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=60) == 0
+    assert line[0] == "interrupted"
+    assert stopped_after < 2.0
+    assert "after 3" in rest
+
+
+CORPUS_SCRIPT = """
+import json, math, random, sys
+import specdec_native as sd
+target, draft, garbage_dir = sys.argv[1:4]
+rng = random.Random(0)
+dec = sd.SpeculativeDecoder(target, draft, n_ctx=256, n_threads=1)
+values = {
+    "max_tokens": [0, -1, 1, 3, 10**9, 2.5, "7", None, True],
+    "temperature": [-1.0, 0.0, 0.7, math.nan, math.inf, -math.inf, 1e30, "hot", None],
+    "top_k": [-5, 0, 1, 10**9, 3.3, None],
+    "top_p": [0.0, -0.1, 0.5, 1.0, 1.5, math.nan, None],
+    "min_p": [-1.0, 0.0, 0.3, 1.0, 2.0, math.nan],
+    "seed": [-1, 0, 2**64, 2**64 - 1, "x", None],
+    "stop": [[""], ["a"], "", "the", [None], [1, 2], None],
+    "n_draft": [-1, 0, 1, 64, 65, 10**6, None],
+}
+prompts = ["", "the", "\\udcff", " " * 3000, [1, 2, 3], [], [-1], [10**9], [1.5], "the " * 400, None, b"bytes"]
+cases = ok = errors = 0
+for i in range(240):
+    kwargs = {k: rng.choice(v) for k, v in values.items() if rng.random() < 0.5}
+    prompt = rng.choice(prompts)
+    cases += 1
+    try:
+        dec.generate(prompt, **kwargs)
+        ok += 1
+    except (ValueError, TypeError, sd.ContextOverflowError):
+        errors += 1
+for name, data in [("empty", b""), ("magic", b"GGUF"), ("junk", bytes(range(256)) * 40), ("text", b"not a model")]:
+    path = f"{garbage_dir}/{name}.gguf"
+    open(path, "wb").write(data)
+    cases += 1
+    try:
+        sd.SpeculativeDecoder(path)
+    except sd.ModelLoadError:
+        errors += 1
+print(json.dumps({"cases": cases, "ok": ok, "errors": errors}))
+"""
+
+
+def test_bad_input_corpus_never_crashes(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CORPUS_SCRIPT,
+            str(tiny_pair.target),
+            str(tiny_pair.draft),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["cases"] >= 244
+    assert (
+        result["ok"] + result["errors"] == result["cases"]
+    )  # every case returned or raised cleanly
+    assert result["ok"] > 0 and result["errors"] > 0
