@@ -335,7 +335,8 @@ def write_tiny_model(
     n_vocab, n_ff, n_head = len(tokens), 2 * n_embd, 4
 
     def mat(rows: int, cols: int, scale: float) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+        m: np.ndarray = rng.standard_normal((rows, cols)) * (scale / np.sqrt(cols))
+        return m.astype(np.float32)
 
     w = gguf.GGUFWriter(str(out), "llama")
     w.add_name(f"tiny-{seed}")
