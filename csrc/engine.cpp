@@ -140,56 +140,66 @@ private:
     // first rejection, or a bonus when all pass). Returns the number of draft tokens accepted.
     int accept_and_commit() {
         const auto start = Clock::now();
-        const bool greedy = req_.sampling.greedy();
-        const int n_vocab = target().n_vocab();
         const size_t k = draft_.tokens.size();
+        step_tokens_.clear();
+        step_margins_.clear();
         size_t i = 0;
-        llama_token next = -1;
         for (; i < k; ++i) {
             const llama_token x = draft_.tokens[i];
-            if (greedy) {
-                const llama_token best = argmax(target_logits(i), n_vocab);
-                if (best != x) {
-                    next = best;
-                    break;
-                }
-            } else {
-                const Distribution& p = target_distribution(i);
-                const Distribution* q = draft_.q[i];
-                const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
-                if (!ok) {
-                    next = q ? sample_residual(p, *q, rng_) : sample_residual_point(p, x, rng_);
-                    break;
-                }
-            }
+            const llama_token verdict = req_.sampling.greedy() ? greedy_verdict(i, x) : sampled_verdict(i, x);
+            step_tokens_.push_back(verdict);
+            if (verdict != x) break;
         }
-        if (i == k) next = greedy ? argmax(target_logits(k), n_vocab) : sample(target_distribution(k), rng_);
+        if (i == k) step_tokens_.push_back(target_token(k));
         stats().count_acceptance(static_cast<int>(i));
         stats().t_verify += seconds_since(start);
 
-        for (size_t j = 0; j < i; ++j) commit(draft_.tokens[j]);
-        commit(next);
-        stats().n_cut += static_cast<int>(i + 1) - committed_this_step_;
-        committed_this_step_ = 0;
+        int committed = 0;
+        for (size_t j = 0; j < step_tokens_.size(); ++j)
+            committed += commit(step_tokens_[j], step_margins_.empty() ? 0.0f : step_margins_[j]);
+        stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
         return static_cast<int>(i);
     }
 
-    // Appends one token to the output unless generation already finished in this step.
-    void commit(llama_token token) {
-        if (!result_.finish_reason.empty()) return;
+    // Greedy: the target's argmax at row i (the draft token x when they agree).
+    llama_token greedy_verdict(size_t row, llama_token /*x*/) {
+        const Top2 t = top2(target_logits(row), target().n_vocab());
+        step_margins_.push_back(t.margin);
+        return t.best;
+    }
+
+    // Sampling: x when accepted (prob min(1, p/q)), else a draw from the residual.
+    llama_token sampled_verdict(size_t row, llama_token x) {
+        const Distribution& p = target_distribution(row);
+        const Distribution* q = draft_.q[row];
+        const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
+        if (ok) return x;
+        return q ? sample_residual(p, *q, rng_) : sample_residual_point(p, x, rng_);
+    }
+
+    // The token after an all-accepted draft (the bonus), or the only token of a K=0 step.
+    llama_token target_token(size_t row) {
+        if (req_.sampling.greedy()) return greedy_verdict(row, -1);
+        return sample(target_distribution(row), rng_);
+    }
+
+    // Appends one token to the output unless generation already finished; returns 1 if it did.
+    int commit(llama_token token, float margin) {
+        if (!result_.finish_reason.empty()) return 0;
         if (target().is_eog(token)) {
             result_.finish_reason = "stop";
-            return;
+            return 0;
         }
-        ++committed_this_step_;
         seq_.push_back(token);
         result_.tokens.push_back(token);
+        if (req_.sampling.greedy()) result_.margins.push_back(margin);
         emit(text_.push(target().token_piece(token)));
         if (text_.stopped()) {
             result_.finish_reason = "stop";
         } else if (static_cast<int>(result_.tokens.size()) >= req_.max_tokens) {
             result_.finish_reason = "length";
         }
+        return 1;
     }
 
     void emit(const std::string& text) {
@@ -206,8 +216,9 @@ private:
     int n_draft_;
     std::vector<llama_token> seq_;  // prompt + committed tokens
     size_t base_ = 0;
-    int committed_this_step_ = 0;
     Draft draft_;
+    std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
+    std::vector<float> step_margins_;
     Distribution p_;
     SamplingWorkspace workspace_;
     GenerationResult result_;
@@ -279,7 +290,8 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
     return Generation(*this, request, on_text).run();
 }
 
-std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& context) {
+std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& context,
+                                             bool batched) {
     if (context.empty()) throw std::invalid_argument("the context has no tokens");
     if (static_cast<int>(context.size()) > target_->n_ctx())
         throw ContextOverflowError("the context is longer than n_ctx");
@@ -289,8 +301,9 @@ std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& con
     std::lock_guard<std::mutex> lock(busy_);
     cancel_requested_.store(false);
     target_->clear_memory();
-    for (size_t start = 0; start < context.size(); start += target_batch_.capacity()) {
-        const size_t end = std::min(context.size(), start + target_batch_.capacity());
+    const size_t chunk = batched ? static_cast<size_t>(target_batch_.capacity()) : 1;
+    for (size_t start = 0; start < context.size(); start += chunk) {
+        const size_t end = std::min(context.size(), start + chunk);
         target_batch_.clear();
         for (size_t i = start; i < end; ++i)
             target_batch_.add(context[i], static_cast<llama_pos>(i), i + 1 == context.size());

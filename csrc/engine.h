@@ -38,6 +38,8 @@ struct GenerationResult {
     std::vector<llama_token> tokens;
     std::string text;
     std::string finish_reason;  // "stop", "length", "context", "cancelled"
+    // Greedy only: for each token, the target's top-1 minus top-2 logit where it was chosen.
+    std::vector<float> margins;
     Stats stats;
 };
 
@@ -56,8 +58,9 @@ public:
     // One generation at a time: a second caller waits for the first to finish.
     GenerationResult generate(const GenerateRequest& request, const TextCallback& on_text,
                               const StopCheck& should_stop);
-    // The target's logits for the token after `context`, read afresh (the cache is cleared).
-    std::vector<float> next_token_logits(const std::vector<llama_token>& context);
+    // The target's logits for the token after `context`, read afresh (the cache is cleared):
+    // in n_batch chunks, or one token per decode as target-only generation reads it.
+    std::vector<float> next_token_logits(const std::vector<llama_token>& context, bool batched);
     // Thread-safe: makes the running generation (if any) stop at its next decode.
     void cancel() { cancel_requested_.store(true); }
 

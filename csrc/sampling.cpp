@@ -114,6 +114,23 @@ int32_t argmax(const float* logits, int n_vocab) {
     return static_cast<int32_t>(std::max_element(logits, logits + n_vocab) - logits);
 }
 
+Top2 top2(const float* logits, int n_vocab) {
+    int32_t best = 0;
+    float first = logits[0];
+    float second = -INFINITY;
+    for (int i = 1; i < n_vocab; ++i) {
+        const float v = logits[i];
+        if (v > first) {
+            second = first;
+            first = v;
+            best = i;
+        } else if (v > second) {
+            second = v;
+        }
+    }
+    return {best, first - second};
+}
+
 void make_distribution(const float* logits, int n_vocab, const SamplingParams& params,
                        SamplingWorkspace& ws, Distribution& out) {
     auto& c = ws.candidates;

@@ -49,6 +49,13 @@ private:
 
 int32_t argmax(const float* logits, int n_vocab);
 
+// The best token and how far the runner-up's logit is below it (one pass over the row).
+struct Top2 {
+    int32_t best;
+    float margin;
+};
+Top2 top2(const float* logits, int n_vocab);
+
 // Applies, in this order: temperature, softmax, top-k, top-p, min-p, renormalisation.
 // Target and draft both go through this one function, so p and q always see the same transforms.
 void make_distribution(const float* logits, int n_vocab, const SamplingParams& params,

@@ -88,6 +88,8 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "context" | "cancelled"
     stats: Stats
     prompt_tokens: list[int] = field(default_factory=list)
+    # Greedy only: per token, the target's top-1 minus top-2 logit where it chose that token.
+    margins: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -251,9 +253,10 @@ class SpeculativeDecoder:
             raise ValueError("messages must not be empty")
         return self._live().apply_chat_template(pairs, add_generation_prompt)
 
-    def next_token_logits(self, tokens: Sequence[int]) -> list[float]:
-        """The target's logits for the token after ``tokens`` (a fresh batched read)."""
-        return self._live().next_token_logits(list(tokens))
+    def next_token_logits(self, tokens: Sequence[int], *, batched: bool = True) -> list[float]:
+        """The target's logits for the token after ``tokens``, read afresh: in batches (as the
+        verify pass reads), or one token per decode (as target-only generation reads)."""
+        return self._live().next_token_logits(list(tokens), batched)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -311,6 +314,7 @@ class SpeculativeDecoder:
             finish_reason=out["finish_reason"],
             stats=Stats(**out["stats"]),
             prompt_tokens=tokens,
+            margins=list(out["margins"]),
         )
 
     def stream(

@@ -11,9 +11,10 @@ import pytest
 import specdec_native as sd
 from specdec_native import models
 
-# Target top-2 logit gap below which a greedy divergence is a float near-tie: batched
-# verification and one-token decoding use different kernels, so their logits differ by rounding.
-NEAR_TIE_GAP = 0.1
+# Target top-1 minus top-2 logit below which a greedy divergence is a float near-tie: batched
+# verification and one-token decoding use different kernels and accumulate different rounding
+# in the KV cache (measured on Gemma 3 Q4_K_M: the two reads of one position differ by up to 0.3).
+NEAR_TIE_GAP = 0.35
 
 PROMPTS = [
     "The history of the Roman Empire",

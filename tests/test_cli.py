@@ -103,3 +103,42 @@ def test_models_tiny_pair_command(tmp_path: Path) -> None:
     r = run_cli("models", "tiny-pair", "--out", tmp_path)
     assert r.returncode == 0, r.stderr
     assert len(list(tmp_path.glob("*.gguf"))) == 2
+
+
+def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"name": "a", "prompt": "the cat"}\n{"prompt": "and the"}\n')
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    r = run_cli(
+        "bench",
+        tiny_pair.target,
+        "--draft",
+        tiny_pair.draft,
+        "--prompts",
+        prompts,
+        "-k",
+        "1,3",
+        "--temps",
+        "0,1",
+        "-n",
+        "16",
+        "-r",
+        "2",
+        "--json",
+        out,
+        "--plot",
+        png,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "best K" in r.stdout
+    report = json.loads(out.read_text())
+    # baseline + 2 K values, 2 prompts, 2 temperatures
+    assert len(report["runs"]) == 3 * 2 * 2
+    for run in report["runs"]:
+        if run["n_draft"] == 0:
+            assert run["speedup"] == 1.0 and run["acceptance_rate"] == 0.0
+        else:
+            assert 0.0 <= run["acceptance_rate"] <= 1.0
+            assert len(run["acceptance_by_position"]) <= run["n_draft"]
+    assert report["best_k"]["0.0"] in (1, 3)
+    assert png.stat().st_size > 10_000

@@ -14,16 +14,23 @@ from specdec_native import models
 
 def check_pair(target: Path, draft: Path, n_draft: int, max_tokens: int = 40) -> float:
     accepted = drafted = 0
+    margins: list[float] = []
     with sd.SpeculativeDecoder(target, draft, n_draft=n_draft, n_ctx=1024) as dec:
         for prompt in PROMPTS:
             base = dec.generate(prompt, max_tokens, n_draft=0)
             spec = dec.generate(prompt, max_tokens)
             assert base.stats.n_drafted == 0
-            assert_same_or_near_tie(dec, spec.prompt_tokens, spec.tokens, base.tokens, NEAR_TIE_GAP)
+            assert len(spec.margins) == len(spec.tokens) and len(base.margins) == len(base.tokens)
+            margins.extend(spec.margins)
+            assert_same_or_near_tie(spec, base, NEAR_TIE_GAP)
             assert_stats_add_up(spec.stats, len(spec.tokens))
             assert_stats_add_up(base.stats, len(base.tokens))
             accepted += spec.stats.n_accepted
             drafted += spec.stats.n_drafted
+    # The near-tie gap must be small next to the typical decision margin (measured medians:
+    # 1.5 deep pair, 1.3 SmolLM2 quant pair, 2.0 Gemma 3 quant pair).
+    median = sorted(margins)[len(margins) // 2]
+    assert NEAR_TIE_GAP < median / 2
     return accepted / drafted
 
 
@@ -34,7 +41,7 @@ def test_deep_pair(deep_pair: models.ModelPair) -> None:
 
 def test_smollm2_q41_target_q40_draft(smollm2: Path, smollm2_q40: Path) -> None:
     rate = check_pair(smollm2, smollm2_q40, n_draft=5)
-    assert rate > 0.5
+    assert rate > 0.3  # per-token agreement is about 0.71; K=5 dilutes it
 
 
 def test_gemma3_q4km_target_q40_draft(gemma3: Path, gemma3_q40: Path) -> None:
@@ -47,9 +54,7 @@ def test_any_draft_length(deep_decoder: sd.SpeculativeDecoder, k: int) -> None:
     prompt = PROMPTS[1]
     base = deep_decoder.generate(prompt, 32, n_draft=0)
     spec = deep_decoder.generate(prompt, 32, n_draft=k)
-    assert_same_or_near_tie(
-        deep_decoder, spec.prompt_tokens, spec.tokens, base.tokens, NEAR_TIE_GAP
-    )
+    assert_same_or_near_tie(spec, base, NEAR_TIE_GAP)
     assert len(spec.stats.proposed_at) <= k
 
 

@@ -1,0 +1,288 @@
+"""The measurement behind `specdec-cli bench`: target-only vs speculative decoding, same prompts,
+same process, K sweep, medians over repeats."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdec_native.decoder import SpeculativeDecoder, Stats
+
+# A varied built-in set: code, prose, grounded copying, structured output, chat.
+BUILTIN_PROMPTS: dict[str, str] = {
+    "code": 'def merge_sort(items):\n    """Sort a list with merge sort."""\n',
+    "prose": "The history of the printing press begins",
+    "copying": (
+        "Repeat the following text exactly.\nText: The quick brown fox jumps over the lazy dog. "
+        "A journey of a thousand miles begins with a single step.\nRepeated:"
+    ),
+    "json": 'Return a JSON list of three users with fields "name", "age" and "email":\n[',
+    "chat": "<|im_start|>user\nGive me three tips for learning a language.<|im_end|>\n"
+    "<|im_start|>assistant\n",
+}
+
+
+@dataclass
+class RunResult:
+    """Medians over repeats for one configuration on one prompt."""
+
+    prompt: str
+    n_draft: int
+    temperature: float
+    tokens_per_second: float
+    acceptance_rate: float
+    tokens_per_pass: float
+    acceptance_by_position: list[float]
+    t_draft_per_token: float  # seconds per drafted token
+    t_verify_per_pass: float  # seconds per target pass (batch of n_draft + 1)
+    share_draft: float
+    share_verify: float
+    share_other: float
+    speedup: float = 0.0
+    expected_tokens_per_second: float = 0.0
+    efficiency: float = 0.0
+
+
+@dataclass
+class BenchReport:
+    target: str
+    draft: str | None
+    machine: dict[str, Any]
+    max_tokens: int
+    repeats: int
+    runs: list[RunResult] = field(default_factory=list)
+
+    def best_k(self, temperature: float) -> int:
+        means: dict[int, list[float]] = {}
+        for r in self.runs:
+            if r.temperature == temperature and r.n_draft > 0:
+                means.setdefault(r.n_draft, []).append(r.speedup)
+        return max(means, key=lambda k: statistics.mean(means[k])) if means else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        temps = sorted({r.temperature for r in self.runs})
+        d["best_k"] = {str(t): self.best_k(t) for t in temps}
+        return d
+
+
+def machine_info() -> dict[str, Any]:
+    import os
+
+    from specdec_native import _core
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "system": _core.system_info().strip()}
+
+
+def _summarise(prompt: str, k: int, temp: float, runs: Sequence[Stats]) -> RunResult:
+    def med(f: Callable[[Stats], float]) -> float:
+        return statistics.median(f(s) for s in runs)
+
+    def safe(a: float, b: float) -> float:
+        return a / b if b else 0.0
+
+    n_pos = max((len(s.proposed_at) for s in runs), default=0)
+    by_pos = [
+        statistics.median(
+            (s.acceptance_by_position[i] if i < len(s.proposed_at) else 0.0) for s in runs
+        )
+        for i in range(n_pos)
+    ]
+    return RunResult(
+        prompt=prompt,
+        n_draft=k,
+        temperature=temp,
+        tokens_per_second=med(lambda s: s.tokens_per_second),
+        acceptance_rate=med(lambda s: s.acceptance_rate),
+        tokens_per_pass=med(lambda s: s.tokens_per_pass),
+        acceptance_by_position=by_pos,
+        t_draft_per_token=med(lambda s: safe(s.t_draft, s.n_drafted)),
+        t_verify_per_pass=med(lambda s: safe(s.t_verify, s.n_target_passes)),
+        share_draft=med(lambda s: safe(s.t_draft, s.t_generation)),
+        share_verify=med(lambda s: safe(s.t_verify, s.t_generation)),
+        share_other=med(lambda s: safe(s.t_generation - s.t_draft - s.t_verify, s.t_generation)),
+    )
+
+
+def _expected_speed(r: RunResult) -> float:
+    """Tokens/s if the step cost only its measured draft and verify times: the loop's ceiling."""
+    step = r.n_draft * r.t_draft_per_token + r.t_verify_per_pass
+    return r.tokens_per_pass / step if step > 0 else 0.0
+
+
+def run_bench(
+    target: Path,
+    draft: Path | None,
+    *,
+    prompts: dict[str, str],
+    ks: Sequence[int] = (1, 2, 3, 4, 6, 8),
+    temperatures: Sequence[float] = (0.0,),
+    max_tokens: int = 96,
+    repeats: int = 3,
+    n_ctx: int = 2048,
+    n_threads: int | None = None,
+    n_gpu_layers: int = 0,
+    seed: int = 1234,
+    progress: Callable[[str], None] = lambda _: None,
+) -> BenchReport:
+    report = BenchReport(
+        str(target), str(draft) if draft else None, machine_info(), max_tokens, repeats
+    )
+    with SpeculativeDecoder(
+        target, draft, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers
+    ) as dec:
+        progress("warm-up")
+        dec.generate(next(iter(prompts.values())), 16, n_draft=0)
+        if draft:
+            dec.generate(next(iter(prompts.values())), 16, n_draft=2)
+        configs = [0] + ([k for k in ks if k > 0] if draft else [])
+        for temp in temperatures:
+            for name, text in prompts.items():
+                baseline = 0.0
+                for k in configs:
+                    runs = []
+                    for rep in range(repeats):
+                        r = dec.generate(
+                            text, max_tokens, n_draft=k, temperature=temp, seed=seed + rep
+                        )
+                        runs.append(r.stats)
+                    res = _summarise(name, k, temp, runs)
+                    if k == 0:
+                        baseline = res.tokens_per_second
+                    res.speedup = res.tokens_per_second / baseline if baseline else 0.0
+                    res.expected_tokens_per_second = _expected_speed(res)
+                    res.efficiency = (
+                        res.tokens_per_second / res.expected_tokens_per_second
+                        if res.expected_tokens_per_second
+                        else 0.0
+                    )
+                    report.runs.append(res)
+                    progress(
+                        f"T={temp:g} {name:<8} K={k}: {res.tokens_per_second:6.1f} tok/s "
+                        f"x{res.speedup:.2f} acc={res.acceptance_rate:.2f}"
+                    )
+    return report
+
+
+def aggregate(report: BenchReport) -> list[dict[str, Any]]:
+    """Per (temperature, K): means over prompts."""
+    rows = []
+    keys = sorted({(r.temperature, r.n_draft) for r in report.runs})
+    for temp, k in keys:
+        rs = [r for r in report.runs if r.temperature == temp and r.n_draft == k]
+        rows.append(
+            {
+                "temperature": temp,
+                "n_draft": k,
+                "tokens_per_second": statistics.mean(r.tokens_per_second for r in rs),
+                "speedup": statistics.mean(r.speedup for r in rs),
+                "acceptance_rate": statistics.mean(r.acceptance_rate for r in rs),
+                "tokens_per_pass": statistics.mean(r.tokens_per_pass for r in rs),
+                "share_draft": statistics.mean(r.share_draft for r in rs),
+                "share_verify": statistics.mean(r.share_verify for r in rs),
+                "share_other": statistics.mean(r.share_other for r in rs),
+                "t_verify_per_pass_ms": 1000 * statistics.mean(r.t_verify_per_pass for r in rs),
+                "efficiency": statistics.mean(r.efficiency for r in rs),
+            }
+        )
+    return rows
+
+
+def format_table(report: BenchReport) -> str:
+    head = (
+        f"{'T':>4} {'K':>3} {'tok/s':>7} {'speedup':>8} {'accept':>7} {'tok/pass':>9} "
+        f"{'draft%':>7} {'verify%':>8} {'other%':>7} {'t_v(K+1)':>9} {'effic.':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for row in aggregate(report):
+        lines.append(
+            f"{row['temperature']:>4g} {row['n_draft']:>3} {row['tokens_per_second']:>7.1f} "
+            f"{row['speedup']:>7.2f}x {row['acceptance_rate']:>7.2f} {row['tokens_per_pass']:>9.2f} "
+            f"{100 * row['share_draft']:>6.0f}% {100 * row['share_verify']:>7.0f}% "
+            f"{100 * row['share_other']:>6.0f}% {row['t_verify_per_pass_ms']:>7.1f}ms "
+            f"{row['efficiency']:>7.2f}"
+        )
+    temps = sorted({r.temperature for r in report.runs})
+    lines.append("best K: " + ", ".join(f"T={t:g}: K={report.best_k(t)}" for t in temps))
+    return "\n".join(lines)
+
+
+def load_prompts(path: Path) -> dict[str, str]:
+    """A text file (one prompt) or JSONL ({"name":..., "prompt":...} or {"prompt":...})."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        out = {}
+        for i, line in enumerate(x for x in text.splitlines() if x.strip()):
+            obj = json.loads(line)
+            if "prompt" not in obj:
+                raise ValueError(f"{path}: line {i + 1} has no 'prompt'")
+            out[str(obj.get("name", f"p{i}"))] = str(obj["prompt"])
+        if not out:
+            raise ValueError(f"{path} has no prompts")
+        return out
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    return {path.stem: text}
+
+
+def plot(report: BenchReport, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'specdec[plot]'") from e
+    rows = aggregate(report)
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for t in temps:
+        rs = [r for r in rows if r["temperature"] == t and r["n_draft"] > 0]
+        ks = [r["n_draft"] for r in rs]
+        axes[0].plot(ks, [r["speedup"] for r in rs], "o-", label=f"T={t:g}")
+        axes[1].plot(ks, [r["acceptance_rate"] for r in rs], "o-", label=f"T={t:g}")
+        best = report.best_k(t)
+        pos = [
+            r.acceptance_by_position
+            for r in report.runs
+            if r.temperature == t and r.n_draft == best
+        ]
+        if pos:
+            n = max(len(p) for p in pos)
+            mean_pos = [statistics.mean(p[i] for p in pos if i < len(p)) for i in range(n)]
+            axes[2].bar(
+                [i + 1 + 0.2 * temps.index(t) for i in range(n)],
+                mean_pos,
+                width=0.2,
+                label=f"T={t:g}, K={best}",
+            )
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set(
+        xlabel="K (draft tokens per step)", ylabel="speedup over target-only", title="Speedup"
+    )
+    axes[1].set(xlabel="K", ylabel="accepted / drafted", title="Acceptance rate", ylim=(0, 1))
+    axes[2].set(
+        xlabel="draft position",
+        ylabel="P(accepted | proposed)",
+        title="Acceptance by position (best K)",
+        ylim=(0, 1),
+    )
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{Path(report.target).name} / {Path(report.draft or '-').name}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
