@@ -173,6 +173,13 @@ PYBIND11_MODULE(_core, m) {
                  return e.next_token_logits(context, batched);
              },
              py::arg("context"), py::arg("batched") = true)
+        .def(
+            "measure_decode_cost",
+            [](Engine& e, const std::vector<int32_t>& context, int max_n, int repeats, bool on_draft) {
+                py::gil_scoped_release release;
+                return e.measure_decode_cost(context, max_n, repeats, on_draft);
+            },
+            py::arg("context"), py::arg("max_n"), py::arg("repeats") = 5, py::arg("on_draft") = false)
         .def("model_info", [](const Engine& e, bool draft) {
             const Model* m = draft ? e.draft() : &e.target();
             py::dict d;

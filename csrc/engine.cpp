@@ -261,6 +261,41 @@ void Engine::decode(Model& model, const Batch& batch) {
     if (rc != 0) throw std::runtime_error("llama_decode failed with code " + std::to_string(rc));
 }
 
+std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& context,
+                                                int max_n, int repeats, bool on_draft) {
+    Model* model = on_draft ? draft_.get() : target_.get();
+    if (!model) throw std::invalid_argument("there is no draft model");
+    if (context.empty() || max_n < 1 || repeats < 1)
+        throw std::invalid_argument("need a context, max_n >= 1 and repeats >= 1");
+    if (max_n > kMaxDraft + 1 || static_cast<int>(context.size()) + max_n > model->n_ctx())
+        throw ContextOverflowError("context + max_n does not fit the context window");
+    if (static_cast<int>(context.size()) > model->n_batch())
+        throw std::invalid_argument("the context is longer than n_batch");
+    std::lock_guard<std::mutex> lock(busy_);
+    cancel_requested_.store(false);
+    model->clear_memory();
+    Batch batch(std::max(static_cast<int>(context.size()), max_n));
+    for (size_t i = 0; i < context.size(); ++i)
+        batch.add(context[i], static_cast<llama_pos>(i), false);
+    decode(*model, batch);
+    const auto pos = static_cast<llama_pos>(context.size());
+    std::vector<double> costs;
+    for (int n = 1; n <= max_n; ++n) {
+        std::vector<double> samples;
+        for (int r = 0; r < repeats; ++r) {
+            batch.clear();
+            for (int i = 0; i < n; ++i) batch.add(context[static_cast<size_t>(i) % context.size()], pos + i, true);
+            const auto start = Clock::now();
+            decode(*model, batch);
+            samples.push_back(seconds_since(start));
+            model->forget_from(pos);
+        }
+        std::nth_element(samples.begin(), samples.begin() + static_cast<long>(samples.size() / 2), samples.end());
+        costs.push_back(samples[samples.size() / 2]);
+    }
+    return costs;
+}
+
 GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text,
                                   const StopCheck& should_stop) {
     validate(request.sampling);

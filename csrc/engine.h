@@ -61,6 +61,10 @@ public:
     // The target's logits for the token after `context`, read afresh (the cache is cleared):
     // in n_batch chunks, or one token per decode as target-only generation reads it.
     std::vector<float> next_token_logits(const std::vector<llama_token>& context, bool batched);
+    // Seconds one decode of n tokens costs after `context`, for n = 1..max_n (median of
+    // `repeats`), on the target or on the draft. The cache is cleared.
+    std::vector<double> measure_decode_cost(const std::vector<llama_token>& context, int max_n,
+                                            int repeats, bool on_draft);
     // Thread-safe: makes the running generation (if any) stop at its next decode.
     void cancel() { cancel_requested_.store(true); }
 

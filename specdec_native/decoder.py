@@ -258,6 +258,16 @@ class SpeculativeDecoder:
         verify pass reads), or one token per decode (as target-only generation reads)."""
         return self._live().next_token_logits(list(tokens), batched)
 
+    def measure_decode_cost(
+        self, prompt: str | Sequence[int], max_n: int = 9, *, repeats: int = 5, draft: bool = False
+    ) -> list[float]:
+        """Seconds per decode of n = 1..max_n tokens after ``prompt`` on the target (or the
+        draft): the cost curve t(n) that decides which K pays on this machine."""
+        tokens = self._prompt_tokens(prompt)
+        _check_int("max_n", max_n, 1, MAX_DRAFT + 1)
+        _check_int("repeats", repeats, 1, 1000)
+        return self._live().measure_decode_cost(tokens, max_n, repeats, draft)
+
     # -- generation ------------------------------------------------------------------------
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
