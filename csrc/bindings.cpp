@@ -134,7 +134,8 @@ PYBIND11_MODULE(_core, m) {
             "generate",
             [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
                int top_k, float top_p, float min_p, uint64_t seed,
-               const std::vector<std::string>& stop, int n_draft, const py::object& on_text) {
+               const std::vector<std::string>& stop, int n_draft, const py::object& on_text,
+               bool wrong_residual_for_tests) {
                 GenerateRequest r;
                 r.prompt = prompt;
                 r.max_tokens = max_tokens;
@@ -142,11 +143,13 @@ PYBIND11_MODULE(_core, m) {
                 r.seed = seed;
                 r.stop = stop;
                 r.n_draft = n_draft;
+                r.wrong_residual_for_tests = wrong_residual_for_tests;
                 return run_generate(e, std::move(r), on_text);
             },
             py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature"), py::arg("top_k"),
             py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("stop"),
-            py::arg("n_draft"), py::arg("on_text") = py::none())
+            py::arg("n_draft"), py::arg("on_text") = py::none(),
+            py::arg("wrong_residual_for_tests") = false)
         .def("cancel", &Engine::cancel)
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {

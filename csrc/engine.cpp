@@ -174,6 +174,7 @@ private:
         const Distribution* q = draft_.q[row];
         const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
         if (ok) return x;
+        if (req_.wrong_residual_for_tests) return sample(p, rng_);
         return q ? sample_residual(p, *q, rng_) : sample_residual_point(p, x, rng_);
     }
 

@@ -32,6 +32,9 @@ struct GenerateRequest {
     uint64_t seed = 0;
     std::vector<std::string> stop;
     int n_draft = -1;  // -1: the engine's default
+    // Test-only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
+    // wrong rule, so the distribution tests can show that they catch it.
+    bool wrong_residual_for_tests = false;
 };
 
 struct GenerationResult {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import prompts
 import pytest
 from conftest import NEAR_TIE_GAP, PROMPTS
 from helpers import assert_same_or_near_tie, assert_stats_add_up
@@ -12,11 +13,13 @@ import specdec_native as sd
 from specdec_native import models
 
 
-def check_pair(target: Path, draft: Path, n_draft: int, max_tokens: int = 40) -> float:
+def check_pair(
+    target: Path, draft: Path, n_draft: int, max_tokens: int = 40, texts: list[str] = PROMPTS
+) -> float:
     accepted = drafted = 0
     margins: list[float] = []
     with sd.SpeculativeDecoder(target, draft, n_draft=n_draft, n_ctx=1024) as dec:
-        for prompt in PROMPTS:
+        for prompt in texts:
             base = dec.generate(prompt, max_tokens, n_draft=0)
             spec = dec.generate(prompt, max_tokens)
             assert base.stats.n_drafted == 0
@@ -35,12 +38,13 @@ def check_pair(target: Path, draft: Path, n_draft: int, max_tokens: int = 40) ->
 
 
 def test_deep_pair(deep_pair: models.ModelPair) -> None:
-    rate = check_pair(deep_pair.target, deep_pair.draft, n_draft=4)
+    assert len(prompts.ALL) >= 30
+    rate = check_pair(deep_pair.target, deep_pair.draft, n_draft=4, texts=prompts.ALL)
     assert 0.2 < rate < 1.0  # a real pair: the draft is often right, never always
 
 
 def test_smollm2_q41_target_q40_draft(smollm2: Path, smollm2_q40: Path) -> None:
-    rate = check_pair(smollm2, smollm2_q40, n_draft=5)
+    rate = check_pair(smollm2, smollm2_q40, n_draft=5, texts=prompts.ALL)
     assert rate > 0.3  # per-token agreement is about 0.71; K=5 dilutes it
 
 

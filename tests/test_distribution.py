@@ -1,0 +1,110 @@
+"""Sampling is lossless: speculative output has the target's distribution.
+
+On the tiny-vocab pair, N = 20,000 generations of 3 tokens each with K = 2 (so one step covers
+acceptance, the residual and the bonus token) are compared with N target-only generations by a
+chi-squared test of homogeneity, per setting. A test of the test runs the same comparison against
+a deliberately wrong rule (resampling from p after a rejection) and must see it fail.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+import specdec_native as sd
+from specdec_native import models
+
+N = 20_000
+PROMPT = [1, 300, 270]  # BOS and two word tokens of the tiny vocabulary
+SETTINGS = {
+    "temperature": {"temperature": 1.0},
+    "low-temperature+top-k": {"temperature": 0.7, "top_k": 5},
+    "top-p": {"temperature": 1.0, "top_p": 0.8},
+    "min-p": {"temperature": 1.0, "min_p": 0.1},
+}
+
+
+@pytest.fixture(scope="module")
+def near(tiny_dir: Path) -> Iterator[sd.SpeculativeDecoder]:
+    pair = models.build_tiny_pair(tiny_dir, seed=5, draft_noise=0.5)
+    with sd.SpeculativeDecoder(pair.target, pair.draft, n_ctx=64, n_threads=1) as dec:
+        yield dec
+
+
+@pytest.fixture(scope="module")
+def far(tiny_dir: Path) -> Iterator[sd.SpeculativeDecoder]:
+    pair = models.build_tiny_pair(tiny_dir, seed=6, draft_noise=1.5)
+    with sd.SpeculativeDecoder(pair.target, pair.draft, n_ctx=64, n_threads=1) as dec:
+        yield dec
+
+
+def sample(
+    dec: sd.SpeculativeDecoder, k: int, seed0: int, wrong: bool = False, **kw: Any
+) -> tuple[Counter[tuple[int, ...]], float]:
+    """Counts of the generated 3-token sequences, and the acceptance rate."""
+    engine = dec._live()
+    args = (
+        kw.get("temperature", 1.0),
+        kw.get("top_k", 0),
+        kw.get("top_p", 1.0),
+        kw.get("min_p", 0.0),
+    )
+    counts: Counter[tuple[int, ...]] = Counter()
+    accepted = drafted = 0
+    for i in range(N):
+        out = engine.generate(PROMPT, 3, *args, seed0 + i, [], k, None, wrong)
+        counts[tuple(out["tokens"])] += 1
+        accepted += out["stats"]["n_accepted"]
+        drafted += out["stats"]["n_drafted"]
+    return counts, (accepted / drafted if drafted else 0.0)
+
+
+def homogeneity_pvalue(a: Counter[Any], b: Counter[Any]) -> float:
+    """Chi-squared test that two samples come from one distribution; sparse cells pooled."""
+    keys = sorted(set(a) | set(b))
+    table = np.array([[a[k] for k in keys], [b[k] for k in keys]], dtype=float)
+    expected_small = table.sum(axis=0) < 10
+    pooled = table[:, ~expected_small]
+    rest = table[:, expected_small].sum(axis=1, keepdims=True)
+    if rest.sum() > 0:
+        pooled = np.hstack([pooled, rest])
+    return float(chi2_contingency(pooled)[1])
+
+
+def first_tokens(c: Counter[tuple[int, ...]], n: int) -> Counter[tuple[int, ...]]:
+    out: Counter[tuple[int, ...]] = Counter()
+    for seq, k in c.items():
+        out[seq[:n]] += k
+    return out
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_matches_target_distribution(near: sd.SpeculativeDecoder, name: str) -> None:
+    kw = SETTINGS[name]
+    base, _ = sample(near, 0, 10_000_000, **kw)
+    spec, rate = sample(near, 2, 20_000_000, **kw)
+    assert 0.05 < rate < 0.95  # both acceptance and rejection are exercised
+    for n in (1, 2, 3):
+        p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
+        assert p > 1e-3, f"{name}: first {n} tokens differ from target-only sampling (p={p:.2e})"
+
+
+def test_far_draft_still_exact(far: sd.SpeculativeDecoder) -> None:
+    base, _ = sample(far, 0, 30_000_000)
+    spec, rate = sample(far, 2, 40_000_000)
+    assert rate < 0.4  # a draft far from the target: most tokens come from the residual
+    for n in (1, 2, 3):
+        assert homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n)) > 1e-3
+
+
+def test_the_test_catches_a_wrong_residual(far: sd.SpeculativeDecoder) -> None:
+    base, _ = sample(far, 0, 30_000_000)
+    wrong, _ = sample(far, 2, 40_000_000, wrong=True)
+    p = homogeneity_pvalue(first_tokens(base, 1), first_tokens(wrong, 1))
+    assert p < 1e-6, f"resampling from p after a rejection went unnoticed (p={p:.2e})"

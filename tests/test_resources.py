@@ -1,0 +1,62 @@
+"""Memory stays flat over many generations and many engines (measured in a fresh process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from specdec_native import models
+
+RSS = "int(open('/proc/self/statm').read().split()[1]) * 4096 // 1024"  # resident KiB
+
+
+def run_script(script: str, *args: str) -> dict[str, int]:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_rss_flat_over_1000_generations(tiny_pair: models.ModelPair) -> None:
+    out = run_script(
+        f"""
+        import json, sys, specdec_native as sd
+        dec = sd.SpeculativeDecoder(sys.argv[1], sys.argv[2], n_ctx=128, n_threads=1)
+        rss = lambda: {RSS}
+        for i in range(1000):
+            dec.generate("the cat and the", 8, temperature=0.0 if i % 2 else 0.9, seed=i,
+                         stop=["zz"], on_text=lambda t: None)
+            if i == 49:
+                after_50 = rss()
+        print(json.dumps({{"after_50": after_50, "after_1000": rss()}}))
+        """,
+        str(tiny_pair.target),
+        str(tiny_pair.draft),
+    )
+    growth = out["after_1000"] - out["after_50"]
+    assert growth < 2048, f"RSS grew {growth} KiB between generation 50 and 1000"
+
+
+def test_rss_flat_over_50_engines(smollm2_q40: Path) -> None:
+    out = run_script(
+        f"""
+        import json, sys, specdec_native as sd
+        rss = lambda: {RSS}
+        for i in range(50):
+            with sd.SpeculativeDecoder(sys.argv[1], sys.argv[1], n_ctx=256) as dec:
+                dec.generate("Hello", 2)
+            if i == 4:
+                after_5 = rss()
+        print(json.dumps({{"after_5": after_5, "after_50": rss()}}))
+        """,
+        str(smollm2_q40),
+    )
+    growth = out["after_50"] - out["after_5"]
+    assert growth < 8192, f"RSS grew {growth} KiB between engine 5 and 50"
