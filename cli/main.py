@@ -75,6 +75,18 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
         ("drafted / accepted", f"{stats.n_drafted} / {stats.n_accepted}"),
         ("acceptance rate", f"{stats.acceptance_rate:.3f}"),
         ("tokens per target pass", f"{stats.tokens_per_pass:.2f}"),
+        ("accepted/drafted by model", f"{stats.accepted_by_model} / {stats.drafted_by_model}"),
+        ("accepted/drafted by n-gram", f"{stats.accepted_by_ngram} / {stats.drafted_by_ngram}"),
+        (
+            "steps by K drafted",
+            " ".join(f"{k}:{n}" for k, n in enumerate(stats.steps_at_k) if n) or "-",
+        ),
+        (
+            "target-only fallback",
+            f"{stats.n_fallback_steps} steps ({stats.fallback_reason})"
+            if stats.n_fallback_steps or stats.fallback_reason
+            else "none",
+        ),
         (
             "acceptance by position",
             " ".join(f"{a:.2f}" for a in stats.acceptance_by_position) or "-",
@@ -92,7 +104,12 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
 
 @cli.command()
 @click.argument("target", required=False, type=click.Path(path_type=Path))
-@click.option("--draft", "draft", type=click.Path(path_type=Path), help="Draft model GGUF.")
+@click.option(
+    "--draft", "draft", type=click.Path(path_type=Path), help="Draft model GGUF, or 'ngram'."
+)
+@click.option(
+    "--ngram", is_flag=True, help="With a draft model: try n-gram matches in the context first."
+)
 @click.option("--no-draft", is_flag=True, help="Target only (the baseline).")
 @click.option("-p", "--prompt", help="Prompt text (default: stdin, else a built-in prompt).")
 @click.option(
@@ -103,10 +120,16 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
     "-k",
     "--draft-max",
     "n_draft",
-    default=4,
+    default="auto",
     show_default=True,
-    type=int,
-    help="Tokens drafted per step (K).",
+    help="Tokens drafted per step (K), or 'auto' to choose K each step from measured costs.",
+)
+@click.option(
+    "--draft-p-min",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="Stop a draft early when the draft's probability of its next token is below this.",
 )
 @click.option(
     "--temp", "temperature", default=0.0, show_default=True, type=float, help="0 = greedy."
@@ -128,11 +151,13 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
 def run(
     target: Path | None,
     draft: Path | None,
+    ngram: bool,
     no_draft: bool,
     prompt: str | None,
     prompt_file: Path | None,
     max_tokens: int,
-    n_draft: int,
+    n_draft: str,
+    draft_p_min: float,
     temperature: float,
     top_k: int,
     top_p: float,
@@ -156,8 +181,16 @@ def run(
     from specdec_native import SpeculativeDecoder, models
     from specdec_native.decoder import MAX_DRAFT
 
-    if not 0 <= n_draft <= MAX_DRAFT:
-        raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {n_draft}")
+    k: int | str = n_draft
+    if n_draft != "auto":
+        try:
+            k = int(n_draft)
+        except ValueError:
+            raise click.ClickException(
+                f"-k/--draft-max must be 'auto' or an integer, got {n_draft!r}"
+            ) from None
+        if not 0 <= k <= MAX_DRAFT:
+            raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {k}")
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -165,12 +198,16 @@ def run(
         target, draft = pair.target, pair.draft
         progress(f"default pair: target {target.name} (synthetic deep target), draft {draft.name}")
     if no_draft:
-        draft = None
+        draft, ngram = None, False
+    draft_arg: Path | str | None = draft
+    if draft is not None and str(draft) == "ngram":
+        draft_arg, ngram = None, True
     text = _read_prompt(prompt, prompt_file)
     with SpeculativeDecoder(
         target,
-        draft,
-        n_draft=n_draft if draft is not None else 0,
+        draft_arg,
+        ngram=ngram,
+        n_draft=k if draft_arg is not None or ngram else 0,
         n_ctx=n_ctx,
         n_batch=n_batch,
         n_threads=n_threads,
@@ -194,6 +231,7 @@ def run(
             min_p=min_p,
             seed=seed,
             stop=list(stop),
+            draft_p_min=draft_p_min,
             on_text=None if as_json else echo,
         )
     if as_json:
@@ -251,11 +289,19 @@ def info(model: Path, draft: Path | None, as_json: bool) -> None:
     click.echo(f"backend: {data['system']}")
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.ClickException(f"expected comma-separated integers, got {text!r}") from None
+def _k_list(text: str) -> list[int | str]:
+    out: list[int | str] = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        if x == "auto":
+            out.append(x)
+            continue
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise click.ClickException(
+                f"expected comma-separated K values or 'auto', got {text!r}"
+            ) from None
+    return out
 
 
 def _float_list(text: str) -> list[float]:
@@ -268,7 +314,13 @@ def _float_list(text: str) -> list[float]:
 @cli.command()
 @click.argument("target", required=False, type=click.Path(path_type=Path))
 @click.option("--draft", type=click.Path(path_type=Path), help="Draft model GGUF.")
-@click.option("-k", "--ks", default="1,2,3,4,6,8", show_default=True, help="K values to sweep.")
+@click.option(
+    "-k",
+    "--ks",
+    default="1,2,3,4,6,8,auto",
+    show_default=True,
+    help="K values to sweep ('auto': adaptive).",
+)
 @click.option("--temps", default="0", show_default=True, help="Temperatures, e.g. 0,0.8.")
 @click.option(
     "--prompts",
@@ -332,7 +384,7 @@ def bench(
         target,
         draft,
         prompts=prompts,
-        ks=_int_list(ks),
+        ks=_k_list(ks),
         temperatures=_float_list(temps),
         max_tokens=max_tokens,
         repeats=repeats,

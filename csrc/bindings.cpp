@@ -30,6 +30,13 @@ py::dict stats_dict(const Stats& s) {
     d["n_accepted"] = s.n_accepted;
     d["n_cut"] = s.n_cut;
     d["n_speculative_steps"] = s.n_speculative_steps;
+    d["n_fallback_steps"] = s.n_fallback_steps;
+    d["fallback_reason"] = s.fallback_reason;
+    d["steps_at_k"] = s.steps_at_k;
+    d["drafted_by_model"] = s.drafted_by[0];
+    d["accepted_by_model"] = s.accepted_by[0];
+    d["drafted_by_ngram"] = s.drafted_by[1];
+    d["accepted_by_ngram"] = s.accepted_by[1];
     d["accepted_at"] = s.accepted_at;
     d["proposed_at"] = s.proposed_at;
     d["t_prompt"] = s.t_prompt;
@@ -116,12 +123,16 @@ PYBIND11_MODULE(_core, m) {
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
                          int n_draft, int n_ctx, int n_batch, int n_threads, int n_gpu_layers,
-                         int draft_n_gpu_layers, bool verbose) {
+                         int draft_n_gpu_layers, bool ngram, int ngram_min, int ngram_max,
+                         bool verbose) {
                  EngineConfig c;
                  c.target = model_params(target, n_gpu_layers, n_ctx, n_batch, n_threads);
                  if (draft)
                      c.draft = model_params(*draft, draft_n_gpu_layers, n_ctx, n_batch, n_threads);
                  c.n_draft = n_draft;
+                 c.ngram = ngram;
+                 c.ngram_min = ngram_min;
+                 c.ngram_max = ngram_max;
                  c.verbose = verbose;
                  py::gil_scoped_release release;
                  return std::make_unique<Engine>(c);
@@ -129,13 +140,14 @@ PYBIND11_MODULE(_core, m) {
              py::arg("target"), py::arg("draft") = py::none(), py::arg("n_draft") = 4,
              py::arg("n_ctx") = 4096, py::arg("n_batch") = 512, py::arg("n_threads") = 0,
              py::arg("n_gpu_layers") = 0, py::arg("draft_n_gpu_layers") = 0,
+             py::arg("ngram") = false, py::arg("ngram_min") = 1, py::arg("ngram_max") = 4,
              py::arg("verbose") = false)
         .def(
             "generate",
             [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
                int top_k, float top_p, float min_p, uint64_t seed,
                const std::vector<std::string>& stop, int n_draft, const py::object& on_text,
-               bool wrong_residual_for_tests) {
+               bool adaptive, float draft_p_min, bool wrong_residual_for_tests) {
                 GenerateRequest r;
                 r.prompt = prompt;
                 r.max_tokens = max_tokens;
@@ -143,13 +155,35 @@ PYBIND11_MODULE(_core, m) {
                 r.seed = seed;
                 r.stop = stop;
                 r.n_draft = n_draft;
+                r.adaptive = adaptive;
+                r.draft_p_min = draft_p_min;
                 r.wrong_residual_for_tests = wrong_residual_for_tests;
                 return run_generate(e, std::move(r), on_text);
             },
             py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature"), py::arg("top_k"),
             py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("stop"),
-            py::arg("n_draft"), py::arg("on_text") = py::none(),
-            py::arg("wrong_residual_for_tests") = false)
+            py::arg("n_draft"), py::arg("on_text") = py::none(), py::arg("adaptive") = false,
+            py::arg("draft_p_min") = 0.0f, py::arg("wrong_residual_for_tests") = false)
+        .def(
+            "calibrate",
+            [](Engine& e, const std::vector<int32_t>& context) {
+                py::gil_scoped_release release;
+                e.calibrate(context);
+            },
+            py::arg("context"))
+        .def("policy_state",
+             [](const Engine& e) {
+                 const AdaptivePolicy& p = e.policy();
+                 py::dict d;
+                 d["calibrated"] = p.calibrated();
+                 d["calibration_seconds"] = p.calibration_seconds();
+                 d["acceptance"] = p.acceptance();
+                 py::list rates;
+                 if (p.calibrated())
+                     for (int k = 0; k <= AdaptivePolicy::Config{}.max_k; ++k) rates.append(p.expected_rate(k));
+                 d["expected_rate"] = rates;
+                 return d;
+             })
         .def("cancel", &Engine::cancel)
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {
@@ -206,6 +240,7 @@ PYBIND11_MODULE(_core, m) {
         })
         .def_property_readonly("n_draft", &Engine::n_draft)
         .def_property_readonly("has_draft", [](const Engine& e) { return e.draft() != nullptr; })
+        .def_property_readonly("has_drafter", &Engine::has_drafter)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 
     m.def("set_log_verbose", &install_log_handler, py::arg("verbose"),

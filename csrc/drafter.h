@@ -1,6 +1,8 @@
 // What the engine needs from anything that proposes draft tokens.
 #pragma once
 
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "llama.h"
@@ -8,7 +10,10 @@
 
 namespace specdec {
 
+enum class DraftSource { kModel = 0, kNgram = 1 };
+
 struct Draft {
+    DraftSource source = DraftSource::kModel;
     std::vector<llama_token> tokens;
     // q for each token when sampling; nullptr marks a point-mass draft (q = 1 on the token).
     // Pointers stay valid until the next propose().
@@ -23,8 +28,30 @@ public:
     // Proposes up to k tokens to follow `committed` (prompt + generated so far). Sampled from q
     // when sampling, q's argmax when greedy. Catching up with, or rolling back to, `committed`
     // is the drafter's job: it sees the whole sequence each time.
-    virtual void propose(const std::vector<llama_token>& committed, int k,
+    // Stops early (after at least one token) when the draft's own probability of its next
+    // token is below p_min.
+    virtual void propose(const std::vector<llama_token>& committed, int k, float p_min,
                          const SamplingParams& sampling, Rng& rng, Draft& out) = 0;
+};
+
+// Asks each drafter in turn and keeps the first non-empty draft (e.g. n-gram, then model).
+class FallbackDrafter : public Drafter {
+public:
+    FallbackDrafter(std::unique_ptr<Drafter> first, std::unique_ptr<Drafter> second)
+        : first_(std::move(first)), second_(std::move(second)) {}
+    void begin(const std::vector<llama_token>& prompt) override {
+        first_->begin(prompt);
+        second_->begin(prompt);
+    }
+    void propose(const std::vector<llama_token>& committed, int k, float p_min,
+                 const SamplingParams& sampling, Rng& rng, Draft& out) override {
+        first_->propose(committed, k, p_min, sampling, rng, out);
+        if (out.tokens.empty()) second_->propose(committed, k, p_min, sampling, rng, out);
+    }
+
+private:
+    std::unique_ptr<Drafter> first_;
+    std::unique_ptr<Drafter> second_;
 };
 
 }  // namespace specdec

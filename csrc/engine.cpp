@@ -7,6 +7,7 @@
 #include "errors.h"
 #include "logging.h"
 #include "model_drafter.h"
+#include "ngram_drafter.h"
 #include "text_stream.h"
 
 namespace specdec {
@@ -40,9 +41,17 @@ public:
           text_(request.stop),
           n_draft_(request.n_draft >= 0 ? request.n_draft : engine.config_.n_draft) {
         if (!e_.drafter_) n_draft_ = 0;
+        adaptive_ = request.adaptive && e_.drafter_ != nullptr;
+        if (adaptive_ && request.max_tokens < Engine::kMinTokensToSpeculate) {
+            adaptive_ = false;
+            n_draft_ = 0;
+            stats().fallback_reason = "short request";
+        }
     }
 
     GenerationResult run() {
+        // Calibration is a one-time cost of the engine, not of this generation.
+        if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
         const auto start = Clock::now();
         try {
             prefill();
@@ -79,13 +88,26 @@ private:
         stats().t_prompt = seconds_since(start);
     }
 
-    // Draft tokens for this step, bounded by the context and by what may still be emitted.
-    int draft_length() const {
+    // The most tokens this step may draft: bounded by the context and by what may still be
+    // emitted.
+    int draft_cap() const {
         const int room_in_context = target().n_ctx() - static_cast<int>(seq_.size());
         const int still_wanted = req_.max_tokens - static_cast<int>(result_.tokens.size()) - 1;
-        int k = std::min({n_draft_, room_in_context, still_wanted});
-        if (e_.draft_) k = std::min(k, e_.draft_->n_ctx() - static_cast<int>(seq_.size()) + 1);
-        return std::max(k, 0);
+        int cap = std::min({Engine::kMaxDraft, room_in_context, still_wanted});
+        if (e_.draft_) cap = std::min(cap, e_.draft_->n_ctx() - static_cast<int>(seq_.size()) + 1);
+        return std::max(cap, 0);
+    }
+
+    int draft_length() {
+        const int cap = draft_cap();
+        if (!adaptive_) return std::min(n_draft_, cap);
+        std::string why;
+        const int k = e_.policy_.choose(cap, &why);
+        if (k == 0 && cap > 0) {
+            ++stats().n_fallback_steps;
+            if (!why.empty()) stats().fallback_reason = why;
+        }
+        return k;
     }
 
     void step() {
@@ -94,9 +116,15 @@ private:
             return;
         }
         const int k = draft_length();
+        const double t_draft = stats().t_draft;
+        const double t_verify = stats().t_verify;
         draft(k);
         verify();
         const int n_accepted = accept_and_commit();
+        if (adaptive_) {
+            e_.policy_.observe(static_cast<int>(draft_.tokens.size()), n_accepted,
+                               stats().t_draft - t_draft, stats().t_verify - t_verify);
+        }
         // Positions at or past the first rejected draft hold keys/values of tokens that were
         // not committed.
         target().forget_from(static_cast<llama_pos>(base_ + n_accepted));
@@ -105,10 +133,14 @@ private:
     void draft(int k) {
         draft_.tokens.clear();
         draft_.q.clear();
-        if (k == 0) return;
+        if (k == 0) {
+            stats().count_proposal(0);
+            return;
+        }
         const auto start = Clock::now();
-        e_.drafter_->propose(seq_, k, req_.sampling, rng_, draft_);
+        e_.drafter_->propose(seq_, k, req_.draft_p_min, req_.sampling, rng_, draft_);
         stats().count_proposal(static_cast<int>(draft_.tokens.size()));
+        stats().drafted_by[static_cast<int>(draft_.source)] += static_cast<int>(draft_.tokens.size());
         stats().t_draft += seconds_since(start);
     }
 
@@ -152,6 +184,7 @@ private:
         }
         if (i == k) step_tokens_.push_back(target_token(k));
         stats().count_acceptance(static_cast<int>(i));
+        stats().accepted_by[static_cast<int>(draft_.source)] += static_cast<int>(i);
         stats().t_verify += seconds_since(start);
 
         int committed = 0;
@@ -215,6 +248,7 @@ private:
     Rng rng_;
     TextStream text_;
     int n_draft_;
+    bool adaptive_ = false;
     std::vector<llama_token> seq_;  // prompt + committed tokens
     size_t base_ = 0;
     Draft draft_;
@@ -245,6 +279,11 @@ Engine::Engine(const EngineConfig& config)
         drafter_ = std::make_unique<ModelDrafter>(
             *draft_, kMaxDraft, [this](Model& m, const Batch& b) { decode(m, b); });
     }
+    if (config.ngram) {
+        auto ngram = std::make_unique<NgramDrafter>(config.ngram_min, config.ngram_max);
+        drafter_ = drafter_ ? std::make_unique<FallbackDrafter>(std::move(ngram), std::move(drafter_))
+                            : std::unique_ptr<Drafter>(std::move(ngram));
+    }
 }
 
 Engine::~Engine() = default;
@@ -274,27 +313,59 @@ std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& 
         throw std::invalid_argument("the context is longer than n_batch");
     std::lock_guard<std::mutex> lock(busy_);
     cancel_requested_.store(false);
-    model->clear_memory();
+    return measure_decode_cost_locked(context, max_n, repeats, *model);
+}
+
+std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_token>& context,
+                                                       int max_n, int repeats, Model& model) {
+    model.clear_memory();
     Batch batch(std::max(static_cast<int>(context.size()), max_n));
     for (size_t i = 0; i < context.size(); ++i)
         batch.add(context[i], static_cast<llama_pos>(i), false);
-    decode(*model, batch);
+    decode(model, batch);
     const auto pos = static_cast<llama_pos>(context.size());
     std::vector<double> costs;
     for (int n = 1; n <= max_n; ++n) {
         std::vector<double> samples;
         for (int r = 0; r < repeats; ++r) {
             batch.clear();
-            for (int i = 0; i < n; ++i) batch.add(context[static_cast<size_t>(i) % context.size()], pos + i, true);
+            for (int i = 0; i < n; ++i)
+                batch.add(context[static_cast<size_t>(i) % context.size()], pos + i, true);
             const auto start = Clock::now();
-            decode(*model, batch);
+            decode(model, batch);
             samples.push_back(seconds_since(start));
-            model->forget_from(pos);
+            model.forget_from(pos);
         }
-        std::nth_element(samples.begin(), samples.begin() + static_cast<long>(samples.size() / 2), samples.end());
+        std::nth_element(samples.begin(), samples.begin() + static_cast<long>(samples.size() / 2),
+                         samples.end());
         costs.push_back(samples[samples.size() / 2]);
     }
     return costs;
+}
+
+void Engine::calibrate(const std::vector<llama_token>& context) {
+    if (!drafter_) throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
+    if (context.empty()) throw std::invalid_argument("the context has no tokens");
+    std::lock_guard<std::mutex> lock(busy_);
+    cancel_requested_.store(false);
+    calibrate_locked(context);
+}
+
+void Engine::calibrate_locked(const std::vector<llama_token>& context) {
+    // A short context is enough: the cost of a small batch barely depends on its position.
+    constexpr size_t kContext = 32;
+    std::vector<llama_token> ctx(context.begin(),
+                                 context.begin() + static_cast<long>(std::min(context.size(), kContext)));
+    const int n_ctx = draft_ ? std::min(target_->n_ctx(), draft_->n_ctx()) : target_->n_ctx();
+    const int max_n =
+        std::min(AdaptivePolicy::Config{}.max_k + 1, n_ctx - static_cast<int>(ctx.size()));
+    if (max_n < 2) return;  // no room to speculate; the policy stays uncalibrated
+    const auto start = Clock::now();
+    measure_decode_cost_locked(ctx, 1, 1, *target_);  // warm-up: first decodes pay for setup
+    std::vector<double> verify = measure_decode_cost_locked(ctx, max_n, 2, *target_);
+    // An n-gram draft costs a few hash lookups: nothing next to a decode.
+    const double draft_cost = draft_ ? measure_decode_cost_locked(ctx, 1, 3, *draft_)[0] : 0.0;
+    policy_.calibrate(std::move(verify), draft_cost, seconds_since(start));
 }
 
 GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text,

@@ -13,6 +13,7 @@
 #include "batch.h"
 #include "drafter.h"
 #include "model.h"
+#include "policy.h"
 #include "sampling.h"
 #include "stats.h"
 
@@ -22,6 +23,9 @@ struct EngineConfig {
     ModelParams target;
     std::optional<ModelParams> draft;
     int n_draft = 4;  // K: tokens drafted per step (0: target only)
+    bool ngram = false;  // draft from n-gram matches in the context (before the draft model)
+    int ngram_min = 1;
+    int ngram_max = 4;
     bool verbose = false;
 };
 
@@ -32,6 +36,8 @@ struct GenerateRequest {
     uint64_t seed = 0;
     std::vector<std::string> stop;
     int n_draft = -1;  // -1: the engine's default
+    bool adaptive = false;  // choose K each step from measured costs (n_draft is then ignored)
+    float draft_p_min = 0.0f;  // stop drafting when the draft's probability falls below this
     // Test-only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
     // wrong rule, so the distribution tests can show that they catch it.
     bool wrong_residual_for_tests = false;
@@ -54,6 +60,8 @@ using StopCheck = std::function<bool()>;
 class Engine {
 public:
     static constexpr int kMaxDraft = 64;
+    // Requests shorter than this are not worth drafting for in adaptive mode.
+    static constexpr int kMinTokensToSpeculate = 4;
 
     explicit Engine(const EngineConfig& config);
     ~Engine();
@@ -68,15 +76,22 @@ public:
     // `repeats`), on the target or on the draft. The cache is cleared.
     std::vector<double> measure_decode_cost(const std::vector<llama_token>& context, int max_n,
                                             int repeats, bool on_draft);
+    // Measures the cost curve the adaptive policy needs (a few seconds); done on first use.
+    void calibrate(const std::vector<llama_token>& context);
+    const AdaptivePolicy& policy() const { return policy_; }
     // Thread-safe: makes the running generation (if any) stop at its next decode.
     void cancel() { cancel_requested_.store(true); }
 
     const Model& target() const { return *target_; }
     const Model* draft() const { return draft_.get(); }
     int n_draft() const { return config_.n_draft; }
+    bool has_drafter() const { return drafter_ != nullptr; }
 
 private:
     friend class Generation;
+    std::vector<double> measure_decode_cost_locked(const std::vector<llama_token>& context,
+                                                   int max_n, int repeats, Model& model);
+    void calibrate_locked(const std::vector<llama_token>& context);
     void decode(Model& model, const Batch& batch);
 
     EngineConfig config_;
@@ -87,6 +102,7 @@ private:
     std::mutex busy_;
     std::atomic<bool> cancel_requested_{false};
     const StopCheck* should_stop_ = nullptr;
+    AdaptivePolicy policy_;
 };
 
 }  // namespace specdec

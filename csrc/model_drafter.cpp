@@ -43,26 +43,32 @@ void ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
     decode_range(committed, common, committed.size(), true);
 }
 
-void ModelDrafter::propose(const std::vector<llama_token>& committed, int k,
+void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, float p_min,
                            const SamplingParams& sampling, Rng& rng, Draft& out) {
     out.tokens.clear();
     out.q.clear();
+    out.source = DraftSource::kModel;
     if (static_cast<size_t>(k) > q_.size()) q_.resize(static_cast<size_t>(k));
     catch_up(committed);
     const int n_vocab = model_.n_vocab();
     for (int i = 0; i < k; ++i) {
         const float* logits = llama_get_logits_ith(model_.ctx(), -1);
         llama_token token;
+        float confidence;
+        const Distribution* q = nullptr;
         if (sampling.greedy()) {
             token = argmax(logits, n_vocab);
-            out.q.push_back(nullptr);
+            confidence = p_min > 0.0f ? max_probability(logits, n_vocab, token) : 1.0f;
         } else {
-            Distribution& q = q_[static_cast<size_t>(i)];
-            make_distribution(logits, n_vocab, sampling, workspace_, q);
-            token = sample(q, rng);
-            out.q.push_back(&q);
+            Distribution& dist = q_[static_cast<size_t>(i)];
+            make_distribution(logits, n_vocab, sampling, workspace_, dist);
+            token = sample(dist, rng);
+            confidence = dist[token];
+            q = &dist;
         }
+        if (i > 0 && confidence < p_min) break;
         out.tokens.push_back(token);
+        out.q.push_back(q);
         // The last draft token is never decoded here: the target verifies it, and if it is
         // accepted the next catch_up() decodes it together with the target's token.
         if (i + 1 < k) decode_range(out.tokens, static_cast<size_t>(i), static_cast<size_t>(i) + 1, true);

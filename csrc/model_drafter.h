@@ -17,8 +17,8 @@ public:
     ModelDrafter(Model& model, int max_draft, DecodeFn decode);
 
     void begin(const std::vector<llama_token>& prompt) override;
-    void propose(const std::vector<llama_token>& committed, int k, const SamplingParams& sampling,
-                 Rng& rng, Draft& out) override;
+    void propose(const std::vector<llama_token>& committed, int k, float p_min,
+                 const SamplingParams& sampling, Rng& rng, Draft& out) override;
 
 private:
     // Makes the cache hold exactly committed[0..n-1) and decodes the rest, logits on the last.

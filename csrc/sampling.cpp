@@ -131,6 +131,13 @@ Top2 top2(const float* logits, int n_vocab) {
     return {best, first - second};
 }
 
+float max_probability(const float* logits, int n_vocab, int32_t best) {
+    const float top = logits[best];
+    double sum = 0.0;
+    for (int i = 0; i < n_vocab; ++i) sum += std::exp(static_cast<double>(logits[i] - top));
+    return static_cast<float>(1.0 / sum);
+}
+
 void make_distribution(const float* logits, int n_vocab, const SamplingParams& params,
                        SamplingWorkspace& ws, Distribution& out) {
     auto& c = ws.candidates;

@@ -56,6 +56,9 @@ struct Top2 {
 };
 Top2 top2(const float* logits, int n_vocab);
 
+// softmax(logits)[best] at temperature 1, where best is the argmax.
+float max_probability(const float* logits, int n_vocab, int32_t best);
+
 // Applies, in this order: temperature, softmax, top-k, top-p, min-p, renormalisation.
 // Target and draft both go through this one function, so p and q always see the same transforms.
 void make_distribution(const float* logits, int n_vocab, const SamplingParams& params,

@@ -1,6 +1,7 @@
 // The counters and timers of one generation.
 #pragma once
 
+#include <string>
 #include <vector>
 
 namespace specdec {
@@ -13,6 +14,11 @@ struct Stats {
     int n_accepted = 0;       // draft tokens accepted
     int n_cut = 0;            // committed tokens dropped by EOG, a stop string or max_tokens
     int n_speculative_steps = 0;       // steps that drafted at least one token
+    int n_fallback_steps = 0;          // adaptive steps that chose target-only decoding
+    std::string fallback_reason;       // why, when any did ("short request", "low acceptance")
+    std::vector<int> steps_at_k;       // [k]: steps that drafted k tokens
+    int drafted_by[2] = {0, 0};        // by DraftSource: model, n-gram
+    int accepted_by[2] = {0, 0};
     std::vector<int> accepted_at;      // [i]: times draft position i+1 was accepted
     std::vector<int> proposed_at;      // [i]: times draft position i+1 was proposed
     double t_prompt = 0.0;    // seconds: prompt decode, both models
@@ -21,6 +27,8 @@ struct Stats {
     double t_total = 0.0;     // seconds: the whole call
 
     void count_proposal(int k) {
+        if (steps_at_k.size() <= static_cast<size_t>(k)) steps_at_k.resize(k + 1, 0);
+        ++steps_at_k[k];
         n_drafted += k;
         if (k > 0) ++n_speculative_steps;
         if (proposed_at.size() < static_cast<size_t>(k)) proposed_at.resize(k, 0);

@@ -32,7 +32,7 @@ class RunResult:
     """Medians over repeats for one configuration on one prompt."""
 
     prompt: str
-    n_draft: int
+    n_draft: int | str  # K, or "auto"
     temperature: float
     tokens_per_second: float
     acceptance_rate: float
@@ -58,9 +58,10 @@ class BenchReport:
     runs: list[RunResult] = field(default_factory=list)
 
     def best_k(self, temperature: float) -> int:
+        """The fixed K with the best mean speedup at this temperature."""
         means: dict[int, list[float]] = {}
         for r in self.runs:
-            if r.temperature == temperature and r.n_draft > 0:
+            if r.temperature == temperature and isinstance(r.n_draft, int) and r.n_draft > 0:
                 means.setdefault(r.n_draft, []).append(r.speedup)
         return max(means, key=lambda k: statistics.mean(means[k])) if means else 0
 
@@ -87,7 +88,11 @@ def machine_info() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "system": _core.system_info().strip()}
 
 
-def _summarise(prompt: str, k: int, temp: float, runs: Sequence[Stats]) -> RunResult:
+def _k_order(k: int | str) -> int:
+    return k if isinstance(k, int) else 10_000
+
+
+def _summarise(prompt: str, k: int | str, temp: float, runs: Sequence[Stats]) -> RunResult:
     def med(f: Callable[[Stats], float]) -> float:
         return statistics.median(f(s) for s in runs)
 
@@ -117,9 +122,9 @@ def _summarise(prompt: str, k: int, temp: float, runs: Sequence[Stats]) -> RunRe
     )
 
 
-def _expected_speed(r: RunResult) -> float:
+def _expected_speed(r: RunResult, mean_k: float) -> float:
     """Tokens/s if the step cost only its measured draft and verify times: the loop's ceiling."""
-    step = r.n_draft * r.t_draft_per_token + r.t_verify_per_pass
+    step = mean_k * r.t_draft_per_token + r.t_verify_per_pass
     return r.tokens_per_pass / step if step > 0 else 0.0
 
 
@@ -128,7 +133,7 @@ def run_bench(
     draft: Path | None,
     *,
     prompts: dict[str, str],
-    ks: Sequence[int] = (1, 2, 3, 4, 6, 8),
+    ks: Sequence[int | str] = (1, 2, 3, 4, 6, 8),
     temperatures: Sequence[float] = (0.0,),
     max_tokens: int = 96,
     repeats: int = 3,
@@ -148,7 +153,11 @@ def run_bench(
         dec.generate(next(iter(prompts.values())), 16, n_draft=0)
         if draft:
             dec.generate(next(iter(prompts.values())), 16, n_draft=2)
-        configs = [0] + ([k for k in ks if k > 0] if draft else [])
+            if "auto" in ks:
+                dec.calibrate(next(iter(prompts.values())))
+        configs: list[int | str] = [0]
+        if draft:
+            configs += [k for k in ks if k != 0]
         for temp in temperatures:
             for name, text in prompts.items():
                 baseline = 0.0
@@ -160,10 +169,13 @@ def run_bench(
                         )
                         runs.append(r.stats)
                     res = _summarise(name, k, temp, runs)
+                    mean_k = statistics.median(
+                        s.n_drafted / max(s.n_target_passes, 1) for s in runs
+                    )
                     if k == 0:
                         baseline = res.tokens_per_second
                     res.speedup = res.tokens_per_second / baseline if baseline else 0.0
-                    res.expected_tokens_per_second = _expected_speed(res)
+                    res.expected_tokens_per_second = _expected_speed(res, mean_k)
                     res.efficiency = (
                         res.tokens_per_second / res.expected_tokens_per_second
                         if res.expected_tokens_per_second
@@ -180,7 +192,9 @@ def run_bench(
 def aggregate(report: BenchReport) -> list[dict[str, Any]]:
     """Per (temperature, K): means over prompts."""
     rows = []
-    keys = sorted({(r.temperature, r.n_draft) for r in report.runs})
+    keys = sorted(
+        {(r.temperature, r.n_draft) for r in report.runs}, key=lambda t: (t[0], _k_order(t[1]))
+    )
     for temp, k in keys:
         rs = [r for r in report.runs if r.temperature == temp and r.n_draft == k]
         rows.append(
@@ -250,7 +264,11 @@ def plot(report: BenchReport, out: Path) -> None:
     temps = sorted({r["temperature"] for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for t in temps:
-        rs = [r for r in rows if r["temperature"] == t and r["n_draft"] > 0]
+        rs = [
+            r
+            for r in rows
+            if r["temperature"] == t and isinstance(r["n_draft"], int) and r["n_draft"] > 0
+        ]
         ks = [r["n_draft"] for r in rs]
         axes[0].plot(ks, [r["speedup"] for r in rs], "o-", label=f"T={t:g}")
         axes[1].plot(ks, [r["acceptance_rate"] for r in rs], "o-", label=f"T={t:g}")

@@ -16,6 +16,9 @@ from specdec_native import _core
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT = 64
+AUTO = "auto"
+NGRAM = "ngram"  # as the draft: propose from n-gram matches in the context, no draft model
+DraftLength = Union[int, str]  # a fixed K, or "auto"
 
 
 class EngineClosedError(RuntimeError):
@@ -33,6 +36,13 @@ class Stats:
     n_accepted: int
     n_cut: int
     n_speculative_steps: int
+    n_fallback_steps: int
+    fallback_reason: str
+    steps_at_k: list[int]
+    drafted_by_model: int
+    accepted_by_model: int
+    drafted_by_ngram: int
+    accepted_by_ngram: int
     accepted_at: list[int]
     proposed_at: list[int]
     t_prompt: float
@@ -118,6 +128,14 @@ def _check_float(name: str, value: Any, ok: Callable[[float], bool], rule: str) 
     return v
 
 
+def _is_auto(n_draft: Any) -> bool:
+    if isinstance(n_draft, str):
+        if n_draft != AUTO:
+            raise ValueError(f"n_draft must be an integer or 'auto', got {n_draft!r}")
+        return True
+    return False
+
+
 def _check_model_path(name: str, path: PathLike) -> str:
     p = Path(os.fspath(path))
     if not p.exists():
@@ -142,6 +160,10 @@ def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
 class SpeculativeDecoder:
     """A target model, optionally a draft model, and the speculative loop between them.
 
+    ``draft`` is a GGUF path, or "ngram" to draft from earlier occurrences of the text's last
+    n-gram (prompt lookup; no draft model). ``ngram=True`` with a draft model tries the n-gram
+    match first and asks the model only when there is none.
+
     ``n_draft`` (K) is how many tokens the draft proposes per step; without a draft, or with
     ``n_draft=0``, the same engine decodes with the target alone (the baseline).
     One generation runs at a time per decoder: concurrent calls from several threads are
@@ -153,17 +175,25 @@ class SpeculativeDecoder:
         target: PathLike,
         draft: PathLike | None = None,
         *,
-        n_draft: int = 4,
+        n_draft: DraftLength = AUTO,
         n_ctx: int = 4096,
         n_batch: int = 512,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         draft_n_gpu_layers: int | None = None,
+        ngram: bool = False,
+        ngram_min: int = 1,
+        ngram_max: int = 4,
         verbose: bool = False,
     ) -> None:
         target_path = _check_model_path("target", target)
+        if draft is not None and os.fspath(draft) == NGRAM:
+            draft, ngram = None, True
         draft_path = None if draft is None else _check_model_path("draft", draft)
-        _check_int("n_draft", n_draft, 0, MAX_DRAFT)
+        _check_int("ngram_min", ngram_min, 1, 16)
+        _check_int("ngram_max", ngram_max, ngram_min, 16)
+        self._adaptive = _is_auto(n_draft)
+        fixed_k = 4 if self._adaptive else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
         _check_int("n_ctx", n_ctx, 16, 1 << 20)
         _check_int("n_batch", n_batch, 1, 1 << 16)
         threads = 0 if n_threads is None else _check_int("n_threads", n_threads, 1, 1024)
@@ -173,12 +203,15 @@ class SpeculativeDecoder:
         self._engine: _core.Engine | None = _core.Engine(
             target_path,
             draft_path,
-            n_draft=n_draft,
+            n_draft=fixed_k,
             n_ctx=n_ctx,
             n_batch=n_batch,
             n_threads=threads,
             n_gpu_layers=n_gpu_layers,
             draft_n_gpu_layers=d_ngl,
+            ngram=bool(ngram),
+            ngram_min=ngram_min,
+            ngram_max=ngram_max,
             verbose=verbose,
         )
         self.target_path = target_path
@@ -208,8 +241,9 @@ class SpeculativeDecoder:
     # -- properties ------------------------------------------------------------------------
 
     @property
-    def n_draft(self) -> int:
-        return self._live().n_draft
+    def n_draft(self) -> DraftLength:
+        """K, or "auto" when the decoder chooses K each step from measured costs."""
+        return AUTO if self._adaptive else self._live().n_draft
 
     @property
     def has_draft(self) -> bool:
@@ -268,6 +302,14 @@ class SpeculativeDecoder:
         _check_int("repeats", repeats, 1, 1000)
         return self._live().measure_decode_cost(tokens, max_n, repeats, draft)
 
+    def calibrate(self, prompt: str | Sequence[int] = "The") -> None:
+        """Measures the costs the "auto" draft length needs (otherwise done on first use)."""
+        self._live().calibrate(self._prompt_tokens(prompt))
+
+    def policy_state(self) -> dict[str, Any]:
+        """The adaptive policy's running acceptance per position and expected rate per K."""
+        return self._live().policy_state()
+
     # -- generation ------------------------------------------------------------------------
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
@@ -292,7 +334,8 @@ class SpeculativeDecoder:
         min_p: float = 0.0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
-        n_draft: int | None = None,
+        n_draft: DraftLength | None = None,
+        draft_p_min: float = 0.0,
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         """Generates up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
@@ -300,6 +343,11 @@ class SpeculativeDecoder:
         temperature 0 is greedy. Otherwise target and draft distributions both get temperature,
         top_k, top_p and min_p (in that order), and rejection sampling makes the output follow
         the target's distribution exactly. ``seed`` fixes the random stream (None: random).
+        ``n_draft`` overrides the decoder's K for this call (an integer, or "auto": choose K each
+        step to maximise expected tokens per second from this machine's measured draft and
+        verify costs and the running acceptance, falling back to target-only decoding where
+        speculation does not pay). ``draft_p_min`` stops a draft early when the draft model's
+        probability of its next token is below it.
         ``on_text`` receives the text as it is committed, in whole UTF-8 characters.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
@@ -314,9 +362,22 @@ class SpeculativeDecoder:
             seed = random.getrandbits(64)
         _check_int("seed", seed, 0, (1 << 64) - 1)
         stops = _check_stop(stop)
-        k = -1 if n_draft is None else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
+        adaptive = self._adaptive if n_draft is None else _is_auto(n_draft)
+        k = -1 if n_draft is None or adaptive else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
+        p_min = _check_float("draft_p_min", draft_p_min, lambda v: 0 <= v <= 1, "in [0, 1]")
         out = engine.generate(
-            tokens, max_tokens, temperature, top_k, top_p, min_p, seed, stops, k, on_text
+            tokens,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            stops,
+            k,
+            on_text,
+            adaptive,
+            p_min,
         )
         return GenerationResult(
             text=out["text"],

@@ -1,0 +1,54 @@
+"""The adaptive draft length: lossless, visible in the stats, and knows when not to speculate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import NEAR_TIE_GAP, PROMPTS
+from helpers import assert_same_or_near_tie, assert_stats_add_up
+
+import specdec_native as sd
+from specdec_native import models
+
+
+def test_auto_is_lossless_and_reports_its_choices(deep_decoder: sd.SpeculativeDecoder) -> None:
+    for prompt in PROMPTS[:3]:
+        base = deep_decoder.generate(prompt, 40, n_draft=0)
+        auto = deep_decoder.generate(prompt, 40, n_draft="auto")
+        assert_same_or_near_tie(auto, base, NEAR_TIE_GAP)
+        assert_stats_add_up(auto.stats, len(auto.tokens))
+        s = auto.stats
+        assert sum(s.steps_at_k) == s.n_target_passes
+        assert sum(k * n for k, n in enumerate(s.steps_at_k)) == s.n_drafted
+    state = deep_decoder.policy_state()
+    assert state["calibrated"]
+    assert len(state["expected_rate"]) == 11
+    # On the deep pair speculation pays: the policy expects some K > 0 to beat target-only.
+    assert max(state["expected_rate"][1:]) > state["expected_rate"][0]
+
+
+def test_short_request_skips_speculation(deep_decoder: sd.SpeculativeDecoder) -> None:
+    r = deep_decoder.generate(PROMPTS[0], 2, n_draft="auto")
+    assert r.stats.n_drafted == 0
+    assert r.stats.fallback_reason == "short request"
+
+
+def test_falls_back_where_speculation_cannot_pay(smollm2_q40: Path) -> None:
+    # A model drafting for itself costs as much as the target: no K can win.
+    with sd.SpeculativeDecoder(smollm2_q40, smollm2_q40, n_draft="auto", n_ctx=512) as dec:
+        r = dec.generate(PROMPTS[0], 60)
+    assert r.stats.n_fallback_steps > 3 * r.stats.n_speculative_steps
+    assert r.stats.fallback_reason == "low acceptance"
+
+
+def test_sampling_with_auto_and_p_min(tiny_pair: models.ModelPair) -> None:
+    with sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, n_ctx=256, n_threads=1) as dec:
+        assert dec.n_draft == "auto"
+        # K follows measured timings, so a seed fixes the output only at a fixed K (the
+        # distribution is the target's either way; test_distribution.py checks that).
+        a = dec.generate("the cat", 30, temperature=0.9, seed=3)
+        assert len(a.tokens) == 30
+        assert_stats_add_up(a.stats, len(a.tokens))
+        r = dec.generate("the cat", 30, n_draft=8, draft_p_min=0.99)
+        # With p_min near 1, drafts stop after their first token.
+        assert r.stats.n_drafted == r.stats.n_speculative_steps
