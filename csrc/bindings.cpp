@@ -93,9 +93,13 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
         return false;
     };
     GenerationResult result;
-    {
+    try {
         py::gil_scoped_release release;
         result = engine.generate(request, text_cb, should_stop);
+    } catch (...) {
+        // A Python error (Ctrl-C, a callback's exception) is the cause of whatever unwound.
+        if (pending.error) throw std::move(*pending.error);
+        throw;
     }
     if (pending.error) throw std::move(*pending.error);
     py::dict out;

@@ -50,8 +50,13 @@ public:
     }
 
     GenerationResult run() {
-        // Calibration is a one-time cost of the engine, not of this generation.
-        if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
+        try {
+            // Calibration is a one-time cost of the engine, not of this generation.
+            if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
+        } catch (const Cancelled&) {
+            result_.finish_reason = "cancelled";
+            return std::move(result_);
+        }
         const auto start = Clock::now();
         try {
             prefill();

@@ -58,7 +58,9 @@ def sample(
     counts: Counter[tuple[int, ...]] = Counter()
     accepted = drafted = 0
     for i in range(N):
-        out = engine.generate(PROMPT, 3, *args, seed0 + i, [], k, None, wrong)
+        out = engine.generate(
+            PROMPT, 3, *args, seed0 + i, [], k, None, wrong_residual_for_tests=wrong
+        )
         counts[tuple(out["tokens"])] += 1
         accepted += out["stats"]["n_accepted"]
         drafted += out["stats"]["n_drafted"]

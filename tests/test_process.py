@@ -25,10 +25,14 @@ def test_one_libllama_whatever_the_import_order(first: str, second: str) -> None
     assert out.stdout.strip() == "1"
 
 
-def test_sigint_stops_generation_and_engine_survives(deep_pair: models.ModelPair) -> None:
+@pytest.mark.parametrize("n_draft", [4, "auto"])  # "auto" is interrupted while calibrating
+def test_sigint_stops_generation_and_engine_survives(
+    deep_pair: models.ModelPair, n_draft: int | str
+) -> None:
     script = textwrap.dedent(f"""
         import sys, time, specdec_native as sd
-        dec = sd.SpeculativeDecoder({str(deep_pair.target)!r}, {str(deep_pair.draft)!r}, n_ctx=2048)
+        dec = sd.SpeculativeDecoder({str(deep_pair.target)!r}, {str(deep_pair.draft)!r},
+                                    n_ctx=2048, n_draft={n_draft!r})
         print("ready", flush=True)
         t0 = time.time()
         try:
