@@ -81,14 +81,7 @@ private:
         // The target's cache holds all committed tokens but the last, which each step decodes
         // together with the draft.
         target().clear_memory();
-        Batch& batch = e_.target_batch_;
-        for (size_t start_i = 0; start_i + 1 < seq_.size(); start_i += batch.capacity()) {
-            const size_t end = std::min(seq_.size() - 1, start_i + batch.capacity());
-            batch.clear();
-            for (size_t i = start_i; i < end; ++i)
-                batch.add(seq_[i], static_cast<llama_pos>(i), false);
-            e_.decode(target(), batch);
-        }
+        e_.decode_sequence(target(), e_.target_batch_, seq_, seq_.size() - 1, false, 0);
         if (e_.drafter_) e_.drafter_->begin(seq_);
         stats().t_prompt = seconds_since(start);
     }
@@ -293,6 +286,18 @@ Engine::Engine(const EngineConfig& config)
 
 Engine::~Engine() = default;
 
+void Engine::decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
+                             size_t end, bool logits_on_last, size_t chunk) {
+    if (chunk == 0) chunk = static_cast<size_t>(batch.capacity());
+    for (size_t start = 0; start < end; start += chunk) {
+        const size_t stop = std::min(end, start + chunk);
+        batch.clear();
+        for (size_t i = start; i < stop; ++i)
+            batch.add(tokens[i], static_cast<llama_pos>(i), logits_on_last && i + 1 == end);
+        decode(model, batch);
+    }
+}
+
 void Engine::decode(Model& model, const Batch& batch) {
     if (cancel_requested_.load() || (should_stop_ && *should_stop_ && (*should_stop_)())) {
         cancel_requested_.store(true);
@@ -325,9 +330,7 @@ std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_t
                                                        int max_n, int repeats, Model& model) {
     model.clear_memory();
     Batch batch(std::max(static_cast<int>(context.size()), max_n));
-    for (size_t i = 0; i < context.size(); ++i)
-        batch.add(context[i], static_cast<llama_pos>(i), false);
-    decode(model, batch);
+    decode_sequence(model, batch, context, context.size(), false, 0);
     const auto pos = static_cast<llama_pos>(context.size());
     std::vector<double> costs;
     for (int n = 1; n <= max_n; ++n) {
@@ -413,14 +416,7 @@ std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& con
     std::lock_guard<std::mutex> lock(busy_);
     cancel_requested_.store(false);
     target_->clear_memory();
-    const size_t chunk = batched ? static_cast<size_t>(target_batch_.capacity()) : 1;
-    for (size_t start = 0; start < context.size(); start += chunk) {
-        const size_t end = std::min(context.size(), start + chunk);
-        target_batch_.clear();
-        for (size_t i = start; i < end; ++i)
-            target_batch_.add(context[i], static_cast<llama_pos>(i), i + 1 == context.size());
-        decode(*target_, target_batch_);
-    }
+    decode_sequence(*target_, target_batch_, context, context.size(), true, batched ? 0 : 1);
     const float* logits = llama_get_logits_ith(target_->ctx(), -1);
     return std::vector<float>(logits, logits + target_->n_vocab());
 }

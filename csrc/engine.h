@@ -93,6 +93,10 @@ private:
                                                    int max_n, int repeats, Model& model);
     void calibrate_locked(const std::vector<llama_token>& context);
     void decode(Model& model, const Batch& batch);
+    // Decodes tokens[0, end) at positions 0.. into an empty cache, `chunk` tokens per decode
+    // (0: as many as the batch holds).
+    void decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
+                         size_t end, bool logits_on_last, size_t chunk);
 
     EngineConfig config_;
     std::unique_ptr<Model> target_;

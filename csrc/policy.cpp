@@ -16,7 +16,8 @@ AdaptivePolicy::AdaptivePolicy() : AdaptivePolicy(Config{}) {}
 AdaptivePolicy::AdaptivePolicy(Config config)
     : config_(config),
       accept_(static_cast<size_t>(config.max_k), kPriorAcceptance),
-      tried_(static_cast<size_t>(config.max_k), 0) {}
+      tried_(static_cast<size_t>(config.max_k), 0),
+      probe_interval_(config.probe_interval) {}
 
 double AdaptivePolicy::acceptance_at(int i) const {
     // A position never tried is assumed no better than the last one that was.
@@ -42,6 +43,15 @@ double AdaptivePolicy::expected_tokens(int k) const {
     return total;
 }
 
+bool AdaptivePolicy::can_ever_pay() const {
+    const double target_only = 1.0 / verify_cost_[0];
+    for (size_t k = 1; k < verify_cost_.size(); ++k) {
+        const double best_case = static_cast<double>(k + 1) / (k * draft_cost_ + verify_cost_[k]);
+        if (best_case > target_only * (1.0 + config_.hysteresis)) return true;
+    }
+    return false;
+}
+
 double AdaptivePolicy::expected_rate(int k) const {
     const double step = k * draft_cost_ + verify_cost_[static_cast<size_t>(k)];
     return step > 0.0 ? expected_tokens(k) / step : 0.0;
@@ -50,6 +60,10 @@ double AdaptivePolicy::expected_rate(int k) const {
 int AdaptivePolicy::choose(int cap, std::string* why) {
     cap = std::min({cap, config_.max_k, static_cast<int>(verify_cost_.size()) - 1});
     if (cap <= 0) return 0;
+    if (!can_ever_pay()) {
+        if (why) *why = "draft too slow for this target";
+        return 0;
+    }
     int best = 0;
     for (int k = 1; k <= cap; ++k)
         if (expected_rate(k) > expected_rate(best)) best = k;
@@ -60,12 +74,17 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     current_k_ = best;
     if (best > 0) {
         steps_since_probe_ = 0;
+        probe_interval_ = config_.probe_interval;
+        probing_ = false;
         return best;
     }
     // Speculation does not pay at the current acceptance; probe now and then, since the text
-    // (and so the acceptance) changes.
-    if (++steps_since_probe_ >= config_.probe_interval) {
+    // (and so the acceptance) changes, but less often each time a probe does not pay.
+    if (probing_) probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
+    probing_ = false;
+    if (++steps_since_probe_ >= probe_interval_) {
         steps_since_probe_ = 0;
+        probing_ = true;
         return 1;
     }
     if (why) *why = "low acceptance";

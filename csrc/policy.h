@@ -17,7 +17,8 @@ public:
         int max_k = 10;
         double decay = 0.9;         // weight of the past in every average
         double hysteresis = 0.03;   // switch K only for a predicted gain above this
-        int probe_interval = 16;    // while falling back, draft once every this many steps
+        int probe_interval = 16;    // while falling back, draft once every this many steps...
+        int max_probe_interval = 256;  // ...doubling after each probe that does not pay
     };
 
     AdaptivePolicy();
@@ -32,6 +33,11 @@ public:
     int choose(int cap, std::string* why);
     // What a step did: K drafted, n accepted, and what drafting and verifying cost.
     void observe(int k, int n_accepted, double t_draft, double t_verify);
+
+    // Whether any K could beat target-only even if every draft token were accepted. When not
+    // (a draft nearly as slow as the target), the policy stops drafting for good: keeping the
+    // draft's cache in step for occasional probes would itself cost more than it could gain.
+    bool can_ever_pay() const;
 
     double expected_tokens(int k) const;
     double expected_rate(int k) const;  // tokens per second
@@ -48,6 +54,8 @@ private:
     double calibration_seconds_ = 0.0;
     int current_k_ = -1;
     int steps_since_probe_ = 0;
+    int probe_interval_ = 0;
+    bool probing_ = false;
 };
 
 }  // namespace specdec

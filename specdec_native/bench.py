@@ -270,7 +270,12 @@ def plot(report: BenchReport, out: Path) -> None:
             if r["temperature"] == t and isinstance(r["n_draft"], int) and r["n_draft"] > 0
         ]
         ks = [r["n_draft"] for r in rs]
-        axes[0].plot(ks, [r["speedup"] for r in rs], "o-", label=f"T={t:g}")
+        line = axes[0].plot(ks, [r["speedup"] for r in rs], "o-", label=f"T={t:g}")[0]
+        for r in rows:
+            if r["temperature"] == t and r["n_draft"] == "auto":
+                axes[0].axhline(
+                    r["speedup"], ls="--", color=line.get_color(), label=f"T={t:g}, K=auto"
+                )
         axes[1].plot(ks, [r["acceptance_rate"] for r in rs], "o-", label=f"T={t:g}")
         best = report.best_k(t)
         pos = [

@@ -37,8 +37,9 @@ def test_falls_back_where_speculation_cannot_pay(smollm2_q40: Path) -> None:
     # A model drafting for itself costs as much as the target: no K can win.
     with sd.SpeculativeDecoder(smollm2_q40, smollm2_q40, n_draft="auto", n_ctx=512) as dec:
         r = dec.generate(PROMPTS[0], 60)
-    assert r.stats.n_fallback_steps > 3 * r.stats.n_speculative_steps
-    assert r.stats.fallback_reason == "low acceptance"
+    assert r.stats.n_fallback_steps > 0
+    assert r.stats.fallback_reason == "draft too slow for this target"
+    assert r.stats.n_speculative_steps == 0  # no probes: they could never pay
 
 
 def test_sampling_with_auto_and_p_min(tiny_pair: models.ModelPair) -> None:
