@@ -6,7 +6,7 @@
 namespace specdec {
 
 class Batch {
-public:
+  public:
     explicit Batch(int capacity);
     ~Batch();
     Batch(const Batch&) = delete;
@@ -19,7 +19,7 @@ public:
     int capacity() const { return capacity_; }
     const llama_batch& get() const { return batch_; }
 
-private:
+  private:
     llama_batch batch_;
     int capacity_;
 };

@@ -184,7 +184,8 @@ PYBIND11_MODULE(_core, m) {
                  d["acceptance"] = p.acceptance();
                  py::list rates;
                  if (p.calibrated())
-                     for (int k = 0; k <= AdaptivePolicy::Config{}.max_k; ++k) rates.append(p.expected_rate(k));
+                     for (int k = 0; k <= AdaptivePolicy::Config{}.max_k; ++k)
+                         rates.append(p.expected_rate(k));
                  d["expected_rate"] = rates;
                  return d;
              })
@@ -208,40 +209,44 @@ PYBIND11_MODULE(_core, m) {
                 bool add_generation_prompt) {
                  return e.target().apply_chat_template(messages, add_generation_prompt);
              })
-        .def("next_token_logits",
-             [](Engine& e, const std::vector<int32_t>& context, bool batched) {
-                 py::gil_scoped_release release;
-                 return e.next_token_logits(context, batched);
-             },
-             py::arg("context"), py::arg("batched") = true)
+        .def(
+            "next_token_logits",
+            [](Engine& e, const std::vector<int32_t>& context, bool batched) {
+                py::gil_scoped_release release;
+                return e.next_token_logits(context, batched);
+            },
+            py::arg("context"), py::arg("batched") = true)
         .def(
             "measure_decode_cost",
-            [](Engine& e, const std::vector<int32_t>& context, int max_n, int repeats, bool on_draft) {
+            [](Engine& e, const std::vector<int32_t>& context, int max_n, int repeats,
+               bool on_draft) {
                 py::gil_scoped_release release;
                 return e.measure_decode_cost(context, max_n, repeats, on_draft);
             },
-            py::arg("context"), py::arg("max_n"), py::arg("repeats") = 5, py::arg("on_draft") = false)
-        .def("model_info", [](const Engine& e, bool draft) {
-            const Model* m = draft ? e.draft() : &e.target();
-            py::dict d;
-            if (!m) return d;
-            d["path"] = m->path();
-            d["description"] = m->description();
-            d["architecture"] = m->meta("general.architecture");
-            d["name"] = m->meta("general.name");
-            d["n_params"] = llama_model_n_params(m->model());
-            d["size_bytes"] = llama_model_size(m->model());
-            d["n_layer"] = llama_model_n_layer(m->model());
-            d["n_embd"] = llama_model_n_embd(m->model());
-            d["n_ctx_train"] = llama_model_n_ctx_train(m->model());
-            d["n_ctx"] = m->n_ctx();
-            d["n_vocab"] = m->n_vocab();
-            d["vocab_type"] = static_cast<int>(llama_vocab_type(m->vocab()));
-            d["bos"] = llama_vocab_bos(m->vocab());
-            d["eos"] = llama_vocab_eos(m->vocab());
-            d["has_chat_template"] = llama_model_chat_template(m->model(), nullptr) != nullptr;
-            return d;
-        })
+            py::arg("context"), py::arg("max_n"), py::arg("repeats") = 5,
+            py::arg("on_draft") = false)
+        .def("model_info",
+             [](const Engine& e, bool draft) {
+                 const Model* m = draft ? e.draft() : &e.target();
+                 py::dict d;
+                 if (!m) return d;
+                 d["path"] = m->path();
+                 d["description"] = m->description();
+                 d["architecture"] = m->meta("general.architecture");
+                 d["name"] = m->meta("general.name");
+                 d["n_params"] = llama_model_n_params(m->model());
+                 d["size_bytes"] = llama_model_size(m->model());
+                 d["n_layer"] = llama_model_n_layer(m->model());
+                 d["n_embd"] = llama_model_n_embd(m->model());
+                 d["n_ctx_train"] = llama_model_n_ctx_train(m->model());
+                 d["n_ctx"] = m->n_ctx();
+                 d["n_vocab"] = m->n_vocab();
+                 d["vocab_type"] = static_cast<int>(llama_vocab_type(m->vocab()));
+                 d["bos"] = llama_vocab_bos(m->vocab());
+                 d["eos"] = llama_vocab_eos(m->vocab());
+                 d["has_chat_template"] = llama_model_chat_template(m->model(), nullptr) != nullptr;
+                 return d;
+             })
         .def_property_readonly("n_draft", &Engine::n_draft)
         .def_property_readonly("has_draft", [](const Engine& e) { return e.draft() != nullptr; })
         .def_property_readonly("has_drafter", &Engine::has_drafter)
@@ -253,17 +258,16 @@ PYBIND11_MODULE(_core, m) {
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
 
     // The sampling maths, exposed for unit tests.
-    m.def("distribution",
-          [](const std::vector<float>& logits, float temperature, int top_k, float top_p,
-             float min_p) {
-              SamplingParams p{temperature, top_k, top_p, min_p};
-              validate(p);
-              if (p.greedy()) throw std::invalid_argument("distribution needs temperature > 0");
-              SamplingWorkspace ws;
-              Distribution d;
-              make_distribution(logits.data(), static_cast<int>(logits.size()), p, ws, d);
-              return distribution_as_list(d);
-          });
+    m.def("distribution", [](const std::vector<float>& logits, float temperature, int top_k,
+                             float top_p, float min_p) {
+        SamplingParams p{temperature, top_k, top_p, min_p};
+        validate(p);
+        if (p.greedy()) throw std::invalid_argument("distribution needs temperature > 0");
+        SamplingWorkspace ws;
+        Distribution d;
+        make_distribution(logits.data(), static_cast<int>(logits.size()), p, ws, d);
+        return distribution_as_list(d);
+    });
     m.def("acceptance_probability", &acceptance_probability);
     m.def("sample_residual_counts",
           [](const std::vector<float>& p, const std::vector<float>& q, int n, uint64_t seed) {
@@ -277,16 +281,17 @@ PYBIND11_MODULE(_core, m) {
                   if (q[i] > 0) dq.support.push_back(static_cast<int32_t>(i));
               Rng rng(seed);
               std::vector<int> counts(p.size(), 0);
-              for (int i = 0; i < n; ++i) ++counts[static_cast<size_t>(sample_residual(dp, dq, rng))];
+              for (int i = 0; i < n; ++i)
+                  ++counts[static_cast<size_t>(sample_residual(dp, dq, rng))];
               return counts;
           });
-    m.def("utf8_stream", [](const std::vector<py::bytes>& pieces,
-                            const std::vector<std::string>& stop) {
-        // Feeds pieces through the text stream; returns the chunks it emitted and the flush.
-        TextStream ts(stop);
-        std::vector<py::bytes> out;
-        for (const auto& piece : pieces) out.emplace_back(ts.push(std::string(piece)));
-        out.emplace_back(ts.flush());
-        return py::make_tuple(out, ts.stopped());
-    });
+    m.def("utf8_stream",
+          [](const std::vector<py::bytes>& pieces, const std::vector<std::string>& stop) {
+              // Feeds pieces through the text stream; returns the chunks it emitted and the flush.
+              TextStream ts(stop);
+              std::vector<py::bytes> out;
+              for (const auto& piece : pieces) out.emplace_back(ts.push(std::string(piece)));
+              out.emplace_back(ts.flush());
+              return py::make_tuple(out, ts.stopped());
+          });
 }

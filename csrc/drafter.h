@@ -21,7 +21,7 @@ struct Draft {
 };
 
 class Drafter {
-public:
+  public:
     virtual ~Drafter() = default;
     // Starts a new generation: forgets all state, then reads the prompt.
     virtual void begin(const std::vector<llama_token>& prompt) = 0;
@@ -36,7 +36,7 @@ public:
 
 // Asks each drafter in turn and keeps the first non-empty draft (e.g. n-gram, then model).
 class FallbackDrafter : public Drafter {
-public:
+  public:
     FallbackDrafter(std::unique_ptr<Drafter> first, std::unique_ptr<Drafter> second)
         : first_(std::move(first)), second_(std::move(second)) {}
     void begin(const std::vector<llama_token>& prompt) override {
@@ -49,7 +49,7 @@ public:
         if (out.tokens.empty()) second_->propose(committed, k, p_min, sampling, rng, out);
     }
 
-private:
+  private:
     std::unique_ptr<Drafter> first_;
     std::unique_ptr<Drafter> second_;
 };

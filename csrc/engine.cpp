@@ -24,15 +24,16 @@ bool abort_requested(void* data) { return static_cast<std::atomic<bool>*>(data)-
 void check_supported(const Model& m) {
     if (llama_model_is_recurrent(m.model()) || llama_model_is_hybrid(m.model()))
         throw UnsupportedModelError(
-            m.path() + " is a recurrent or hybrid model: its state cannot be rolled back past "
-                       "rejected draft tokens, so it cannot be used for speculative decoding");
+            m.path() +
+            " is a recurrent or hybrid model: its state cannot be rolled back past "
+            "rejected draft tokens, so it cannot be used for speculative decoding");
 }
 
 }  // namespace
 
 // The state of one generate() call. The step reads top to bottom like the algorithm.
 class Generation {
-public:
+  public:
     Generation(Engine& engine, const GenerateRequest& request, const TextCallback& on_text)
         : e_(engine),
           req_(request),
@@ -70,7 +71,7 @@ public:
         return std::move(result_);
     }
 
-private:
+  private:
     Stats& stats() { return result_.stats; }
     Model& target() const { return *e_.target_; }
 
@@ -138,7 +139,8 @@ private:
         const auto start = Clock::now();
         e_.drafter_->propose(seq_, k, req_.draft_p_min, req_.sampling, rng_, draft_);
         stats().count_proposal(static_cast<int>(draft_.tokens.size()));
-        stats().drafted_by[static_cast<int>(draft_.source)] += static_cast<int>(draft_.tokens.size());
+        stats().drafted_by[static_cast<int>(draft_.source)] +=
+            static_cast<int>(draft_.tokens.size());
         stats().t_draft += seconds_since(start);
     }
 
@@ -176,7 +178,8 @@ private:
         size_t i = 0;
         for (; i < k; ++i) {
             const llama_token x = draft_.tokens[i];
-            const llama_token verdict = req_.sampling.greedy() ? greedy_verdict(i, x) : sampled_verdict(i, x);
+            const llama_token verdict =
+                req_.sampling.greedy() ? greedy_verdict(i, x) : sampled_verdict(i, x);
             step_tokens_.push_back(verdict);
             if (verdict != x) break;
         }
@@ -258,8 +261,7 @@ private:
 };
 
 Engine::Engine(const EngineConfig& config)
-    : config_(config),
-      target_batch_(std::max(config.target.n_batch, kMaxDraft + 1)) {
+    : config_(config), target_batch_(std::max(config.target.n_batch, kMaxDraft + 1)) {
     install_log_handler(config.verbose);
     if (config.n_draft < 0 || config.n_draft > kMaxDraft)
         throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
@@ -271,16 +273,17 @@ Engine::Engine(const EngineConfig& config)
         check_supported(*draft_);
         const std::string why = vocab_mismatch(*target_, *draft_);
         if (!why.empty())
-            throw VocabMismatchError("target " + target_->path() + " and draft " +
-                                     draft_->path() + " cannot be paired: " + why);
+            throw VocabMismatchError("target " + target_->path() + " and draft " + draft_->path() +
+                                     " cannot be paired: " + why);
         llama_set_abort_callback(draft_->ctx(), abort_requested, &cancel_requested_);
         drafter_ = std::make_unique<ModelDrafter>(
             *draft_, kMaxDraft, [this](Model& m, const Batch& b) { decode(m, b); });
     }
     if (config.ngram) {
         auto ngram = std::make_unique<NgramDrafter>(config.ngram_min, config.ngram_max);
-        drafter_ = drafter_ ? std::make_unique<FallbackDrafter>(std::move(ngram), std::move(drafter_))
-                            : std::unique_ptr<Drafter>(std::move(ngram));
+        drafter_ = drafter_
+                       ? std::make_unique<FallbackDrafter>(std::move(ngram), std::move(drafter_))
+                       : std::unique_ptr<Drafter>(std::move(ngram));
     }
 }
 
@@ -311,8 +314,8 @@ void Engine::decode(Model& model, const Batch& batch) {
     if (rc != 0) throw std::runtime_error("llama_decode failed with code " + std::to_string(rc));
 }
 
-std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& context,
-                                                int max_n, int repeats, bool on_draft) {
+std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& context, int max_n,
+                                                int repeats, bool on_draft) {
     Model* model = on_draft ? draft_.get() : target_.get();
     if (!model) throw std::invalid_argument("there is no draft model");
     if (context.empty() || max_n < 1 || repeats < 1)
@@ -362,8 +365,8 @@ void Engine::calibrate(const std::vector<llama_token>& context) {
 void Engine::calibrate_locked(const std::vector<llama_token>& context) {
     // A short context is enough: the cost of a small batch barely depends on its position.
     constexpr size_t kContext = 32;
-    std::vector<llama_token> ctx(context.begin(),
-                                 context.begin() + static_cast<long>(std::min(context.size(), kContext)));
+    std::vector<llama_token> ctx(
+        context.begin(), context.begin() + static_cast<long>(std::min(context.size(), kContext)));
     const int n_ctx = draft_ ? std::min(target_->n_ctx(), draft_->n_ctx()) : target_->n_ctx();
     const int max_n =
         std::min(AdaptivePolicy::Config{}.max_k + 1, n_ctx - static_cast<int>(ctx.size()));
@@ -412,7 +415,8 @@ std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& con
         throw ContextOverflowError("the context is longer than n_ctx");
     for (llama_token t : context)
         if (t < 0 || t >= target_->n_vocab())
-            throw std::invalid_argument("token " + std::to_string(t) + " is outside the vocabulary");
+            throw std::invalid_argument("token " + std::to_string(t) +
+                                        " is outside the vocabulary");
     std::lock_guard<std::mutex> lock(busy_);
     cancel_requested_.store(false);
     target_->clear_memory();

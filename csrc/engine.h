@@ -22,7 +22,7 @@ namespace specdec {
 struct EngineConfig {
     ModelParams target;
     std::optional<ModelParams> draft;
-    int n_draft = 4;  // K: tokens drafted per step (0: target only)
+    int n_draft = 4;     // K: tokens drafted per step (0: target only)
     bool ngram = false;  // draft from n-gram matches in the context (before the draft model)
     int ngram_min = 1;
     int ngram_max = 4;
@@ -35,8 +35,8 @@ struct GenerateRequest {
     SamplingParams sampling;
     uint64_t seed = 0;
     std::vector<std::string> stop;
-    int n_draft = -1;  // -1: the engine's default
-    bool adaptive = false;  // choose K each step from measured costs (n_draft is then ignored)
+    int n_draft = -1;          // -1: the engine's default
+    bool adaptive = false;     // choose K each step from measured costs (n_draft is then ignored)
     float draft_p_min = 0.0f;  // stop drafting when the draft's probability falls below this
     // Test-only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
     // wrong rule, so the distribution tests can show that they catch it.
@@ -58,7 +58,7 @@ using TextCallback = std::function<void(const std::string&)>;
 using StopCheck = std::function<bool()>;
 
 class Engine {
-public:
+  public:
     static constexpr int kMaxDraft = 64;
     // Requests shorter than this are not worth drafting for in adaptive mode.
     static constexpr int kMinTokensToSpeculate = 4;
@@ -87,7 +87,7 @@ public:
     int n_draft() const { return config_.n_draft; }
     bool has_drafter() const { return drafter_ != nullptr; }
 
-private:
+  private:
     friend class Generation;
     std::vector<double> measure_decode_cost_locked(const std::vector<llama_token>& context,
                                                    int max_n, int repeats, Model& model);

@@ -86,7 +86,8 @@ std::string Model::token_piece(llama_token token) const {
 std::string Model::detokenize(const std::vector<llama_token>& tokens) const {
     for (llama_token t : tokens) {
         if (t < 0 || t >= n_vocab())
-            throw std::invalid_argument("token id " + std::to_string(t) + " is outside the vocabulary");
+            throw std::invalid_argument("token id " + std::to_string(t) +
+                                        " is outside the vocabulary");
     }
     std::string out;
     for (llama_token t : tokens) out += token_piece(t);
@@ -114,7 +115,8 @@ std::string Model::apply_chat_template(
     const std::vector<std::pair<std::string, std::string>>& messages,
     bool add_generation_prompt) const {
     const char* tmpl = llama_model_chat_template(model_.get(), nullptr);
-    if (tmpl == nullptr) throw std::invalid_argument("the model has no chat template in its metadata");
+    if (tmpl == nullptr)
+        throw std::invalid_argument("the model has no chat template in its metadata");
     std::vector<llama_chat_message> chat;
     size_t total = 0;
     for (const auto& [role, content] : messages) {
@@ -129,7 +131,8 @@ std::string Model::apply_chat_template(
         n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), add_generation_prompt,
                                       buf.data(), static_cast<int32_t>(buf.size()));
     }
-    if (n < 0) throw std::invalid_argument("the model's chat template is not supported by llama.cpp");
+    if (n < 0)
+        throw std::invalid_argument("the model's chat template is not supported by llama.cpp");
     buf.resize(static_cast<size_t>(n));
     return buf;
 }

@@ -26,7 +26,7 @@ struct ContextDeleter {
 };
 
 class Model {
-public:
+  public:
     // Throws ModelLoadError with the reason (missing file, not GGUF, llama.cpp's own error).
     explicit Model(const ModelParams& params);
 
@@ -46,15 +46,16 @@ public:
     bool is_eog(llama_token token) const { return llama_vocab_is_eog(vocab_, token); }
     std::string meta(const std::string& key) const;  // "" when absent
     std::string description() const;
-    std::string apply_chat_template(const std::vector<std::pair<std::string, std::string>>& messages,
-                                    bool add_generation_prompt) const;
+    std::string apply_chat_template(
+        const std::vector<std::pair<std::string, std::string>>& messages,
+        bool add_generation_prompt) const;
 
     // Forgets every cached position >= pos. Throws UnsupportedModelError when the model's memory
     // cannot drop a partial sequence (recurrent and hybrid models).
     void forget_from(llama_pos pos);
     void clear_memory();
 
-private:
+  private:
     std::unique_ptr<llama_model, ModelDeleter> model_;
     std::unique_ptr<llama_context, ContextDeleter> ctx_;
     const llama_vocab* vocab_ = nullptr;

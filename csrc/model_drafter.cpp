@@ -71,7 +71,8 @@ void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, flo
         out.q.push_back(q);
         // The last draft token is never decoded here: the target verifies it, and if it is
         // accepted the next catch_up() decodes it together with the target's token.
-        if (i + 1 < k) decode_range(out.tokens, static_cast<size_t>(i), static_cast<size_t>(i) + 1, true);
+        if (i + 1 < k)
+            decode_range(out.tokens, static_cast<size_t>(i), static_cast<size_t>(i) + 1, true);
     }
 }
 

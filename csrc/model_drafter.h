@@ -11,7 +11,7 @@
 namespace specdec {
 
 class ModelDrafter : public Drafter {
-public:
+  public:
     // `decode` runs llama_decode on the draft context and throws on failure or cancellation.
     using DecodeFn = std::function<void(Model&, const Batch&)>;
     ModelDrafter(Model& model, int max_draft, DecodeFn decode);
@@ -20,7 +20,7 @@ public:
     void propose(const std::vector<llama_token>& committed, int k, float p_min,
                  const SamplingParams& sampling, Rng& rng, Draft& out) override;
 
-private:
+  private:
     // Makes the cache hold exactly committed[0..n-1) and decodes the rest, logits on the last.
     void catch_up(const std::vector<llama_token>& committed);
     // Appends tokens[from..to) to the cache; logits for the last one when asked.

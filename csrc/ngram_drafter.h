@@ -12,7 +12,7 @@
 namespace specdec {
 
 class NgramDrafter : public Drafter {
-public:
+  public:
     NgramDrafter(int ngram_min, int ngram_max);
 
     void begin(const std::vector<llama_token>& prompt) override;
@@ -20,7 +20,7 @@ public:
     void propose(const std::vector<llama_token>& committed, int k, float p_min,
                  const SamplingParams& sampling, Rng& rng, Draft& out) override;
 
-private:
+  private:
     // Adds every n-gram that ends before the last token, so each maps to a known continuation.
     void index_up_to(const std::vector<llama_token>& tokens, size_t end);
     // Start of the continuation of the most recent earlier match of the last n tokens, or -1.

@@ -12,12 +12,12 @@ namespace specdec {
 // t_verify(n) is this machine's measured cost of a target decode of n tokens (not assumed flat:
 // on CPUs it rises with n, and unevenly). K = 0 (target only) competes like any other K.
 class AdaptivePolicy {
-public:
+  public:
     struct Config {
         int max_k = 10;
-        double decay = 0.9;         // weight of the past in every average
-        double hysteresis = 0.03;   // switch K only for a predicted gain above this
-        int probe_interval = 16;    // while falling back, draft once every this many steps...
+        double decay = 0.9;            // weight of the past in every average
+        double hysteresis = 0.03;      // switch K only for a predicted gain above this
+        int probe_interval = 16;       // while falling back, draft once every this many steps...
         int max_probe_interval = 256;  // ...doubling after each probe that does not pay
     };
 
@@ -43,7 +43,7 @@ public:
     double expected_rate(int k) const;  // tokens per second
     const std::vector<double>& acceptance() const { return accept_; }
 
-private:
+  private:
     Config config_;
     double acceptance_at(int i) const;
 

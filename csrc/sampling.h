@@ -38,12 +38,12 @@ struct SamplingWorkspace {
 };
 
 class Rng {
-public:
+  public:
     explicit Rng(uint64_t seed) : engine_(seed) {}
     // Uniform in [0, 1) with 53 random bits.
     double uniform() { return static_cast<double>(engine_() >> 11) * 0x1.0p-53; }
 
-private:
+  private:
     std::mt19937_64 engine_;
 };
 

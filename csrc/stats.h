@@ -7,24 +7,24 @@
 namespace specdec {
 
 struct Stats {
-    int n_prompt = 0;         // prompt tokens
-    int n_generated = 0;      // tokens in the result
-    int n_target_passes = 0;  // target decodes after the prompt (one per step)
-    int n_drafted = 0;        // draft tokens proposed
-    int n_accepted = 0;       // draft tokens accepted
-    int n_cut = 0;            // committed tokens dropped by EOG, a stop string or max_tokens
-    int n_speculative_steps = 0;       // steps that drafted at least one token
-    int n_fallback_steps = 0;          // adaptive steps that chose target-only decoding
-    std::string fallback_reason;       // why, when any did ("short request", "low acceptance")
-    std::vector<int> steps_at_k;       // [k]: steps that drafted k tokens
-    int drafted_by[2] = {0, 0};        // by DraftSource: model, n-gram
+    int n_prompt = 0;             // prompt tokens
+    int n_generated = 0;          // tokens in the result
+    int n_target_passes = 0;      // target decodes after the prompt (one per step)
+    int n_drafted = 0;            // draft tokens proposed
+    int n_accepted = 0;           // draft tokens accepted
+    int n_cut = 0;                // committed tokens dropped by EOG, a stop string or max_tokens
+    int n_speculative_steps = 0;  // steps that drafted at least one token
+    int n_fallback_steps = 0;     // adaptive steps that chose target-only decoding
+    std::string fallback_reason;  // why, when any did ("short request", "low acceptance")
+    std::vector<int> steps_at_k;  // [k]: steps that drafted k tokens
+    int drafted_by[2] = {0, 0};   // by DraftSource: model, n-gram
     int accepted_by[2] = {0, 0};
-    std::vector<int> accepted_at;      // [i]: times draft position i+1 was accepted
-    std::vector<int> proposed_at;      // [i]: times draft position i+1 was proposed
-    double t_prompt = 0.0;    // seconds: prompt decode, both models
-    double t_draft = 0.0;     // seconds: drafting
-    double t_verify = 0.0;    // seconds: target decodes and acceptance
-    double t_total = 0.0;     // seconds: the whole call
+    std::vector<int> accepted_at;  // [i]: times draft position i+1 was accepted
+    std::vector<int> proposed_at;  // [i]: times draft position i+1 was proposed
+    double t_prompt = 0.0;         // seconds: prompt decode, both models
+    double t_draft = 0.0;          // seconds: drafting
+    double t_verify = 0.0;         // seconds: target decodes and acceptance
+    double t_total = 0.0;          // seconds: the whole call
 
     void count_proposal(int k) {
         if (steps_at_k.size() <= static_cast<size_t>(k)) steps_at_k.resize(k + 1, 0);

@@ -12,9 +12,12 @@ size_t incomplete_utf8_tail(const std::string& s) {
         const auto c = static_cast<unsigned char>(s[n - back]);
         if ((c & 0xC0) == 0x80) continue;  // continuation byte
         size_t need = 1;
-        if ((c & 0xE0) == 0xC0) need = 2;
-        else if ((c & 0xF0) == 0xE0) need = 3;
-        else if ((c & 0xF8) == 0xF0) need = 4;
+        if ((c & 0xE0) == 0xC0)
+            need = 2;
+        else if ((c & 0xF0) == 0xE0)
+            need = 3;
+        else if ((c & 0xF8) == 0xF0)
+            need = 4;
         return need > back ? back : 0;
     }
     return 0;  // only continuation bytes: invalid, nothing to wait for

@@ -8,7 +8,7 @@
 namespace specdec {
 
 class TextStream {
-public:
+  public:
     explicit TextStream(std::vector<std::string> stop_strings);
 
     // Adds a token's bytes; returns the text that can now be emitted (possibly empty).
@@ -18,7 +18,7 @@ public:
     // True once a stop string has appeared; it and everything after it are dropped.
     bool stopped() const { return stopped_; }
 
-private:
+  private:
     size_t held_for_stop_prefix() const;
     std::string take(size_t n);
 
