@@ -110,6 +110,10 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
 @click.option(
     "--ngram", is_flag=True, help="With a draft model: try n-gram matches in the context first."
 )
+@click.option(
+    "--ngram-min", default=1, show_default=True, type=int, help="Shortest n-gram matched."
+)
+@click.option("--ngram-max", default=4, show_default=True, type=int, help="Longest n-gram matched.")
 @click.option("--no-draft", is_flag=True, help="Target only (the baseline).")
 @click.option("-p", "--prompt", help="Prompt text (default: stdin, else a built-in prompt).")
 @click.option(
@@ -152,6 +156,8 @@ def run(
     target: Path | None,
     draft: Path | None,
     ngram: bool,
+    ngram_min: int,
+    ngram_max: int,
     no_draft: bool,
     prompt: str | None,
     prompt_file: Path | None,
@@ -207,6 +213,8 @@ def run(
         target,
         draft_arg,
         ngram=ngram,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
         n_draft=k if draft_arg is not None or ngram else 0,
         n_ctx=n_ctx,
         n_batch=n_batch,

@@ -118,11 +118,10 @@ std::vector<float> distribution_as_list(const Distribution& d) { return d.probs;
 PYBIND11_MODULE(_core, m) {
     m.doc() = "specdec native engine (llama.cpp speculative decoding)";
 
-    auto base = py::register_exception<ModelLoadError>(m, "ModelLoadError", PyExc_RuntimeError);
+    py::register_exception<ModelLoadError>(m, "ModelLoadError", PyExc_RuntimeError);
     py::register_exception<VocabMismatchError>(m, "VocabMismatchError", PyExc_ValueError);
     py::register_exception<UnsupportedModelError>(m, "UnsupportedModelError", PyExc_RuntimeError);
     py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError);
-    (void)base;
 
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
@@ -197,12 +196,6 @@ PYBIND11_MODULE(_core, m) {
         .def("detokenize",
              [](const Engine& e, const std::vector<int32_t>& tokens) {
                  return to_str(e.target().detokenize(tokens));
-             })
-        .def("token_bytes",
-             [](const Engine& e, int32_t token) {
-                 if (token < 0 || token >= e.target().n_vocab())
-                     throw std::invalid_argument("token id outside the vocabulary");
-                 return py::bytes(e.target().token_piece(token));
              })
         .def("apply_chat_template",
              [](const Engine& e, const std::vector<std::pair<std::string, std::string>>& messages,

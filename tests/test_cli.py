@@ -59,6 +59,24 @@ def test_run_no_draft_and_chat(deep_pair: models.ModelPair) -> None:
     assert json.loads(r.stdout)["stats"]["n_drafted"] == 0
 
 
+def test_run_ngram_draft(tiny_pair: models.ModelPair) -> None:
+    r = run_cli(
+        "run",
+        tiny_pair.target,
+        "--draft",
+        "ngram",
+        "-p",
+        "the cat the cat the",
+        "-n",
+        "6",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)["stats"]
+    assert stats["drafted_by_model"] == 0
+    assert stats["drafted_by_ngram"] == stats["n_drafted"]
+
+
 def test_prompt_from_file(deep_pair: models.ModelPair, tmp_path: Path) -> None:
     f = tmp_path / "p.txt"
     f.write_text("The sky is")
@@ -79,6 +97,8 @@ def test_user_errors_are_one_line(
         ("run", tiny_pair.target, "--temp", "-1", "-p", "x"),
         ("run", tiny_pair.target, "--top-p", "2", "-p", "x"),
         ("run", tiny_pair.target, "-k", "-2", "-p", "x"),
+        ("run", tiny_pair.target, "-k", "lots", "-p", "x"),
+        ("run", tiny_pair.target, "--draft", "ngram", "--ngram-min", "3", "--ngram-max", "2"),
     ]
     for args in cases:
         r = run_cli(*map(str, args))
