@@ -67,6 +67,17 @@ ensure_llama_wheel() {
     echo "$dir"
 }
 
+# pip sees the same version and keeps whatever build is installed, so a change of CMAKE_ARGS
+# needs a forced reinstall; the installed build's cache key is kept in the venv.
+install_llama_wheel() {
+    local wheel_dir="$1" marker="$VENV/.llama-cpp-python-build"
+    if [ "$(cat "$marker" 2>/dev/null)" != "$wheel_dir" ]; then
+        "$VENV/bin/pip" install --quiet --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl >&2
+        "$VENV/bin/pip" install --quiet "$wheel_dir"/llama_cpp_python-*.whl >&2  # its dependencies
+        echo "$wheel_dir" > "$marker"
+    fi
+}
+
 main() {
     if [ ! -x "$VENV/bin/python" ]; then
         log "creating virtual environment $VENV"
@@ -75,7 +86,7 @@ main() {
     "$VENV/bin/pip" install --quiet --upgrade pip >&2
     local wheel_dir
     wheel_dir="$(ensure_llama_wheel)"
-    "$VENV/bin/pip" install --quiet "$wheel_dir"/llama_cpp_python-*.whl >&2
+    install_llama_wheel "$wheel_dir"
     # Our build compiles against the llama-cpp-python installed above, so no build isolation:
     # an isolated build would compile llama.cpp a second time.
     "$VENV/bin/pip" install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja >&2
