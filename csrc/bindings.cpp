@@ -111,8 +111,6 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     return out;
 }
 
-std::vector<float> distribution_as_list(const Distribution& d) { return d.probs; }
-
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -259,7 +257,7 @@ PYBIND11_MODULE(_core, m) {
         SamplingWorkspace ws;
         Distribution d;
         make_distribution(logits.data(), static_cast<int>(logits.size()), p, ws, d);
-        return distribution_as_list(d);
+        return d.probs;
     });
     m.def("acceptance_probability", &acceptance_probability);
     m.def("sample_residual_counts",

@@ -179,7 +179,7 @@ class Generation {
         for (; i < k; ++i) {
             const llama_token x = draft_.tokens[i];
             const llama_token verdict =
-                req_.sampling.greedy() ? greedy_verdict(i, x) : sampled_verdict(i, x);
+                req_.sampling.greedy() ? greedy_verdict(i) : sampled_verdict(i, x);
             step_tokens_.push_back(verdict);
             if (verdict != x) break;
         }
@@ -195,8 +195,8 @@ class Generation {
         return static_cast<int>(i);
     }
 
-    // Greedy: the target's argmax at row i (the draft token x when they agree).
-    llama_token greedy_verdict(size_t row, llama_token /*x*/) {
+    // Greedy: the target's argmax at row i (the draft token when they agree).
+    llama_token greedy_verdict(size_t row) {
         const Top2 t = top2(target_logits(row), target().n_vocab());
         step_margins_.push_back(t.margin);
         return t.best;
@@ -214,7 +214,7 @@ class Generation {
 
     // The token after an all-accepted draft (the bonus), or the only token of a K=0 step.
     llama_token target_token(size_t row) {
-        if (req_.sampling.greedy()) return greedy_verdict(row, -1);
+        if (req_.sampling.greedy()) return greedy_verdict(row);
         return sample(target_distribution(row), rng_);
     }
 
