@@ -66,7 +66,15 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return DEFAULT_PROMPT
 
 
-def _format_stats(stats: Any, finish_reason: str) -> str:
+def _calibration_note(state: dict[str, Any]) -> str | None:
+    if state["calibration"] == "measured":
+        return f"measured now ({state['calibration_seconds']:.1f} s; stored for next time)"
+    if state["calibration"] == "cache":
+        return "read from the calibration cache (--recalibrate to measure again)"
+    return None
+
+
+def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None) -> str:
     rows = [
         ("finish reason", finish_reason),
         ("prompt tokens", stats.n_prompt),
@@ -98,6 +106,8 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
         ("time total", f"{stats.t_total:.3f}s"),
         ("generation speed", f"{stats.tokens_per_second:.1f} tok/s"),
     ]
+    if calibration:
+        rows.append(("decode costs (auto K)", calibration))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -150,6 +160,11 @@ def _format_stats(stats: Any, finish_reason: str) -> str:
 @click.option("-ngld", "--n-gpu-layers-draft", "draft_n_gpu_layers", default=None, type=int)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
+@click.option(
+    "--recalibrate",
+    is_flag=True,
+    help="With -k auto: measure this machine's decode costs afresh instead of using the stored ones.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's log.")
 @user_errors
 def run(
@@ -177,6 +192,7 @@ def run(
     draft_n_gpu_layers: int | None,
     chat: bool,
     as_json: bool,
+    recalibrate: bool,
     verbose: bool,
 ) -> None:
     """Generate from TARGET, drafting with --draft.
@@ -225,6 +241,9 @@ def run(
     ) as sd:
         if chat:
             text = sd.apply_chat_template([{"role": "user", "content": text}])
+        if recalibrate and sd.n_draft == "auto" and (draft_arg is not None or ngram):
+            progress("measuring decode costs")
+            sd.calibrate(text)
 
         def echo(piece: str) -> None:
             sys.stdout.write(piece)
@@ -242,11 +261,12 @@ def run(
             draft_p_min=draft_p_min,
             on_text=None if as_json else echo,
         )
+        calibration = _calibration_note(sd.policy_state()) if sd.n_draft == "auto" else None
     if as_json:
         click.echo(json.dumps(result.as_dict(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-        click.echo(_format_stats(result.stats, result.finish_reason), err=True)
+        click.echo(_format_stats(result.stats, result.finish_reason, calibration), err=True)
 
 
 @cli.command()
@@ -402,6 +422,9 @@ def bench(
         progress=progress,
     )
     click.echo(b.format_table(report))
+    if "auto" in _k_list(ks) and draft:
+        click.echo("\nauto vs the fixed K (0 = target only) that was fastest on each prompt:")
+        click.echo(b.format_adaptive(report))
     if json_out:
         json_out.write_text(json.dumps(report.as_dict(), indent=1))
     if plot_out:
@@ -444,10 +467,22 @@ def models_fetch(which: str) -> None:
     help="Scale of the copies' residual writes.",
 )
 @click.option("--quant", default="Q4_0", show_default=True)
+@click.option(
+    "--draft-skip",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Leave this many middle layers out of the draft (a faster draft that agrees less).",
+)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path))
 @user_errors
 def models_deep_pair(
-    source: Path | None, copies: int, eps: float, quant: str, out_dir: Path | None
+    source: Path | None,
+    copies: int,
+    eps: float,
+    quant: str,
+    draft_skip: int,
+    out_dir: Path | None,
 ) -> None:
     """Build the deep-target pair (synthetic target = model + scaled layer copies)."""
     from specdec_native import models as m
@@ -455,7 +490,13 @@ def models_deep_pair(
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     pair = m.build_deep_pair(
-        source, extra_copies=copies, epsilon=eps, quant=quant, out_dir=out_dir, progress=progress
+        source,
+        extra_copies=copies,
+        epsilon=eps,
+        quant=quant,
+        draft_skip=draft_skip,
+        out_dir=out_dir,
+        progress=progress,
     )
     click.echo(f"target {pair.target}\ndraft  {pair.draft}")
 

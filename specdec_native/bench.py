@@ -43,7 +43,8 @@ class RunResult:
     share_draft: float
     share_verify: float
     share_other: float
-    speedup: float = 0.0
+    speedup: float = 0.0  # median over repeats of the speed over that round's target-only run
+    speedup_by_repeat: list[float] = field(default_factory=list)
     expected_tokens_per_second: float = 0.0
     efficiency: float = 0.0
 
@@ -69,7 +70,56 @@ class BenchReport:
         d = asdict(self)
         temps = sorted({r.temperature for r in self.runs})
         d["best_k"] = {str(t): self.best_k(t) for t in temps}
+        d["adaptive_vs_best_fixed"] = adaptive_vs_best_fixed(self)
         return d
+
+
+def adaptive_vs_best_fixed(report: BenchReport) -> list[dict[str, Any]]:
+    """Per temperature and prompt: `auto` against the fixed K that was fastest on that prompt,
+    K = 0 (target only) included. The best is chosen after the fact, which favours it: it is
+    the best of several noisy measurements, `auto` is one."""
+    rows = []
+    for temp in sorted({r.temperature for r in report.runs}):
+        for prompt in dict.fromkeys(r.prompt for r in report.runs if r.temperature == temp):
+            rs = [r for r in report.runs if r.temperature == temp and r.prompt == prompt]
+            auto = next((r for r in rs if r.n_draft == "auto"), None)
+            fixed = [r for r in rs if isinstance(r.n_draft, int)]
+            if auto is None or not fixed:
+                continue
+            best = max(fixed, key=lambda r: r.speedup)
+            rows.append(
+                {
+                    "temperature": temp,
+                    "prompt": prompt,
+                    "best_k": best.n_draft,
+                    "best_speedup": best.speedup,
+                    "auto_speedup": auto.speedup,
+                    "auto_over_best": auto.speedup / best.speedup if best.speedup else 0.0,
+                    "auto_range": [min(auto.speedup_by_repeat), max(auto.speedup_by_repeat)],
+                    "best_range": [min(best.speedup_by_repeat), max(best.speedup_by_repeat)],
+                }
+            )
+    return rows
+
+
+def format_adaptive(report: BenchReport) -> str:
+    rows = adaptive_vs_best_fixed(report)
+    if not rows:
+        return ""
+    head = (
+        f"{'T':>4} {'prompt':<12} {'best K':>6} {'speedup (range)':>20} "
+        f"{'auto (range)':>20} {'auto/best':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lo, hi = r["best_range"]
+        alo, ahi = r["auto_range"]
+        lines.append(
+            f"{r['temperature']:>4g} {r['prompt'][:12]:<12} {r['best_k']:>6} "
+            f"{r['best_speedup']:>6.2f}x ({lo:.2f}-{hi:.2f}) "
+            f"{r['auto_speedup']:>6.2f}x ({alo:.2f}-{ahi:.2f}) {100 * r['auto_over_best']:>8.0f}%"
+        )
+    return "\n".join(lines)
 
 
 def machine_info() -> dict[str, Any]:
@@ -128,6 +178,32 @@ def _expected_speed(r: RunResult, mean_k: float) -> float:
     return r.tokens_per_pass / step if step > 0 else 0.0
 
 
+def _prefixed(progress: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    return lambda msg: progress(prefix + msg)
+
+
+def _interleaved_runs(
+    dec: SpeculativeDecoder,
+    text: str,
+    configs: Sequence[int | str],
+    temp: float,
+    max_tokens: int,
+    repeats: int,
+    seed: int,
+    progress: Callable[[str], None],
+) -> dict[int | str, list[Stats]]:
+    """Every configuration once per round, in an order rotated each round, so that a slow spell
+    on a shared machine lands on all of them rather than on whichever ran then."""
+    runs: dict[int | str, list[Stats]] = {k: [] for k in configs}
+    for rep in range(repeats):
+        progress(f"round {rep + 1}/{repeats}")
+        shift = rep % len(configs)
+        for k in [*configs[shift:], *configs[:shift]]:
+            r = dec.generate(text, max_tokens, n_draft=k, temperature=temp, seed=seed + rep)
+            runs[k].append(r.stats)
+    return runs
+
+
 def run_bench(
     target: Path,
     draft: Path | None,
@@ -160,21 +236,28 @@ def run_bench(
             configs += [k for k in ks if k != 0]
         for temp in temperatures:
             for name, text in prompts.items():
-                baseline = 0.0
+                runs = _interleaved_runs(
+                    dec,
+                    text,
+                    configs,
+                    temp,
+                    max_tokens,
+                    repeats,
+                    seed,
+                    _prefixed(progress, f"T={temp:g} {name}: "),
+                )
                 for k in configs:
-                    runs = []
-                    for rep in range(repeats):
-                        r = dec.generate(
-                            text, max_tokens, n_draft=k, temperature=temp, seed=seed + rep
-                        )
-                        runs.append(r.stats)
-                    res = _summarise(name, k, temp, runs)
+                    res = _summarise(name, k, temp, runs[k])
+                    # Each repeat's speed over the target-only run of the same round: rounds
+                    # share whatever else the machine was doing at the time.
+                    res.speedup_by_repeat = [
+                        s.tokens_per_second / b.tokens_per_second if b.tokens_per_second else 0.0
+                        for s, b in zip(runs[k], runs[0])
+                    ]
+                    res.speedup = statistics.median(res.speedup_by_repeat)
                     mean_k = statistics.median(
-                        s.n_drafted / max(s.n_target_passes, 1) for s in runs
+                        s.n_drafted / max(s.n_target_passes, 1) for s in runs[k]
                     )
-                    if k == 0:
-                        baseline = res.tokens_per_second
-                    res.speedup = res.tokens_per_second / baseline if baseline else 0.0
                     res.expected_tokens_per_second = _expected_speed(res, mean_k)
                     res.efficiency = (
                         res.tokens_per_second / res.expected_tokens_per_second
@@ -292,6 +375,7 @@ def plot(report: BenchReport, out: Path) -> None:
                 width=0.2,
                 label=f"T={t:g}, K={best}",
             )
+    axes[2].xaxis.get_major_locator().set_params(integer=True)
     axes[0].axhline(1.0, color="gray", lw=0.8)
     axes[0].set(
         xlabel="K (draft tokens per step)", ylabel="speedup over target-only", title="Speedup"

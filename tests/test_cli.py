@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from specdec_native import models
 
 CLI = [sys.executable, "-m", "cli.main"]
@@ -137,7 +139,7 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
         "--prompts",
         prompts,
         "-k",
-        "1,3",
+        "1,3,auto",
         "--temps",
         "0,1",
         "-n",
@@ -150,15 +152,40 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
         png,
     )
     assert r.returncode == 0, r.stderr
-    assert "best K" in r.stdout
+    assert "best K" in r.stdout and "auto vs the fixed K" in r.stdout
     report = json.loads(out.read_text())
-    # baseline + 2 K values, 2 prompts, 2 temperatures
-    assert len(report["runs"]) == 3 * 2 * 2
+    # baseline + 2 K values + auto, 2 prompts, 2 temperatures
+    assert len(report["runs"]) == 4 * 2 * 2
     for run in report["runs"]:
+        # one speed-up per round, each over the target-only run of the same round
+        assert len(run["speedup_by_repeat"]) == 2
+        assert min(run["speedup_by_repeat"]) <= run["speedup"] <= max(run["speedup_by_repeat"])
         if run["n_draft"] == 0:
-            assert run["speedup"] == 1.0 and run["acceptance_rate"] == 0.0
-        else:
+            assert run["speedup_by_repeat"] == [1.0, 1.0] and run["acceptance_rate"] == 0.0
+        elif run["n_draft"] != "auto":
             assert 0.0 <= run["acceptance_rate"] <= 1.0
             assert len(run["acceptance_by_position"]) <= run["n_draft"]
     assert report["best_k"]["0.0"] in (1, 3)
+    rows = report["adaptive_vs_best_fixed"]
+    assert [(row["temperature"], row["prompt"]) for row in rows] == [
+        (t, p) for t in (0.0, 1.0) for p in ("a", "p1")
+    ]
+    for row in rows:
+        assert row["best_k"] in (0, 1, 3)
+        assert row["auto_over_best"] == pytest.approx(row["auto_speedup"] / row["best_speedup"])
     assert png.stat().st_size > 10_000
+
+
+def test_run_reuses_measured_costs_unless_told_to_recalibrate(
+    tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    args = ("run", tiny_pair.target, "--draft", tiny_pair.draft, "-p", "the cat", "-n", "12")
+    notes = []
+    for extra in ((), (), ("--recalibrate",)):
+        r = run_cli(*args, *extra)
+        assert r.returncode == 0, r.stderr
+        notes.append(next(x for x in r.stderr.splitlines() if "decode costs (auto K)" in x))
+    assert "measured now" in notes[0]
+    assert "calibration cache" in notes[1]
+    assert "measured now" in notes[2]
