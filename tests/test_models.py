@@ -77,3 +77,23 @@ def test_tiny_pair(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
     far_rate = greedy_agreement(tiny_pair, ["the", "a cat", "and"], 30)
     near_rate = greedy_agreement(near, ["the", "a cat", "and"], 30)
     assert near_rate > far_rate
+
+
+def test_skipped_layers_spread_over_the_middle() -> None:
+    assert models.skipped_layers(30, 0) == []
+    for skip in (1, 4, 8, 16):
+        dropped = models.skipped_layers(30, skip)
+        assert len(set(dropped)) == skip
+        assert all(7 <= i < 23 for i in dropped)
+    with pytest.raises(ValueError, match="at most 16"):
+        models.skipped_layers(30, 17)
+
+
+def test_layer_skip_draft_loads_with_fewer_layers(tmp_path: Path) -> None:
+    full = models.write_tiny_model(tmp_path / "full.gguf", n_layer=8)
+    skip = models.write_layer_skip(full, tmp_path / "skip.f16.gguf", 2)
+    with sd.SpeculativeDecoder(full, skip, n_draft=2, n_ctx=128) as dec:
+        info = dec.info()
+        assert (info["target"]["n_layer"], info["draft"]["n_layer"]) == (8, 6)
+        r = dec.generate("the cat", 12)
+    assert len(r.tokens) == 12 and r.stats.n_drafted > 0
