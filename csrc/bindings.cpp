@@ -181,11 +181,15 @@ PYBIND11_MODULE(_core, m) {
                  d["acceptance"] = p.acceptance();
                  py::list rates;
                  if (p.calibrated())
-                     for (int k = 0; k <= AdaptivePolicy::Config{}.max_k; ++k)
+                     for (int k = 0; k < static_cast<int>(p.verify_costs().size()); ++k)
                          rates.append(p.expected_rate(k));
                  d["expected_rate"] = rates;
+                 d["verify_costs"] = p.verify_costs();
+                 d["draft_cost"] = p.draft_cost();
                  return d;
              })
+        .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
+             py::arg("draft_cost"))
         .def("cancel", &Engine::cancel)
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {

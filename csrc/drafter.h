@@ -18,6 +18,9 @@ struct Draft {
     // q for each token when sampling; nullptr marks a point-mass draft (q = 1 on the token).
     // Pointers stay valid until the next propose().
     std::vector<const Distribution*> q;
+    // Tokens the drafter decoded to catch up with the committed text before drafting: one or
+    // two in a step that follows a draft, more after steps without one.
+    int caught_up = 0;
 };
 
 class Drafter {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
 
 #include "errors.h"
@@ -17,6 +18,13 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// The middle sample (the upper one of an even count); `samples` is reordered.
+double median(std::vector<double>& samples) {
+    const auto mid = samples.begin() + static_cast<long>(samples.size() / 2);
+    std::nth_element(samples.begin(), mid, samples.end());
+    return *mid;
 }
 
 bool abort_requested(void* data) { return static_cast<std::atomic<bool>*>(data)->load(); }
@@ -54,6 +62,7 @@ class Generation {
         try {
             // Calibration is a one-time cost of the engine, not of this generation.
             if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
+            if (adaptive_) e_.policy_.begin_generation();
         } catch (const Cancelled&) {
             result_.finish_reason = "cancelled";
             return std::move(result_);
@@ -121,8 +130,12 @@ class Generation {
         verify();
         const int n_accepted = accept_and_commit();
         if (adaptive_) {
+            // A draft that first caught up on many tokens (after steps without drafting) cost
+            // more than drafting does.
+            constexpr int kTypicalCatchUp = 2;
             e_.policy_.observe(static_cast<int>(draft_.tokens.size()), n_accepted,
-                               stats().t_draft - t_draft, stats().t_verify - t_verify);
+                               stats().t_draft - t_draft, stats().t_verify - t_verify,
+                               draft_.caught_up <= kTypicalCatchUp);
         }
         // Positions at or past the first rejected draft hold keys/values of tokens that were
         // not committed.
@@ -132,6 +145,7 @@ class Generation {
     void draft(int k) {
         draft_.tokens.clear();
         draft_.q.clear();
+        draft_.caught_up = 0;
         if (k == 0) {
             stats().count_proposal(0);
             return;
@@ -335,22 +349,22 @@ std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_t
     Batch batch(std::max(static_cast<int>(context.size()), max_n));
     decode_sequence(model, batch, context, context.size(), false, 0);
     const auto pos = static_cast<llama_pos>(context.size());
-    std::vector<double> costs;
-    for (int n = 1; n <= max_n; ++n) {
-        std::vector<double> samples;
-        for (int r = 0; r < repeats; ++r) {
+    // Whole sweeps over n, repeated: a slow spell on a shared machine then lands on every n
+    // alike instead of inflating one n's cost (which the policy would never re-measure).
+    std::vector<std::vector<double>> samples(static_cast<size_t>(max_n));
+    for (int r = 0; r < repeats; ++r) {
+        for (int n = 1; n <= max_n; ++n) {
             batch.clear();
             for (int i = 0; i < n; ++i)
                 batch.add(context[static_cast<size_t>(i) % context.size()], pos + i, true);
             const auto start = Clock::now();
             decode(model, batch);
-            samples.push_back(seconds_since(start));
+            samples[static_cast<size_t>(n - 1)].push_back(seconds_since(start));
             model.forget_from(pos);
         }
-        std::nth_element(samples.begin(), samples.begin() + static_cast<long>(samples.size() / 2),
-                         samples.end());
-        costs.push_back(samples[samples.size() / 2]);
     }
+    std::vector<double> costs;
+    for (auto& s : samples) costs.push_back(median(s));
     return costs;
 }
 
@@ -360,6 +374,21 @@ void Engine::calibrate(const std::vector<llama_token>& context) {
     std::lock_guard<std::mutex> lock(busy_);
     cancel_requested_.store(false);
     calibrate_locked(context);
+}
+
+void Engine::set_calibration(std::vector<double> verify_costs, double draft_cost) {
+    if (!drafter_) throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
+    const auto size = static_cast<int>(verify_costs.size());
+    if (size < 2 || size > policy_.max_k() + 1)
+        throw std::invalid_argument("need verify costs for n = 1..m with 2 <= m <= " +
+                                    std::to_string(policy_.max_k() + 1));
+    for (double t : verify_costs)
+        if (!std::isfinite(t) || t <= 0.0)
+            throw std::invalid_argument("verify costs must be finite and > 0");
+    if (!std::isfinite(draft_cost) || draft_cost < 0.0)
+        throw std::invalid_argument("the draft cost must be finite and >= 0");
+    std::lock_guard<std::mutex> lock(busy_);
+    policy_.calibrate(std::move(verify_costs), draft_cost, 0.0);
 }
 
 void Engine::calibrate_locked(const std::vector<llama_token>& context) {
@@ -373,7 +402,7 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
     if (max_n < 2) return;  // no room to speculate; the policy stays uncalibrated
     const auto start = Clock::now();
     measure_decode_cost_locked(ctx, 1, 1, *target_);  // warm-up: first decodes pay for setup
-    std::vector<double> verify = measure_decode_cost_locked(ctx, max_n, 2, *target_);
+    std::vector<double> verify = measure_decode_cost_locked(ctx, max_n, 3, *target_);
     // An n-gram draft costs a few hash lookups: nothing next to a decode.
     const double draft_cost = draft_ ? measure_decode_cost_locked(ctx, 1, 3, *draft_)[0] : 0.0;
     policy_.calibrate(std::move(verify), draft_cost, seconds_since(start));

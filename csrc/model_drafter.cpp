@@ -10,11 +10,11 @@ ModelDrafter::ModelDrafter(Model& model, int max_draft, DecodeFn decode)
       decode_(std::move(decode)),
       q_(static_cast<size_t>(std::max(max_draft, 1))) {}
 
-void ModelDrafter::begin(const std::vector<llama_token>& prompt) {
+void ModelDrafter::begin(const std::vector<llama_token>& /*prompt*/) {
+    // The prompt is decoded by the first propose(): a generation that never drafts (the
+    // adaptive policy may decide so) never pays for it.
     model_.clear_memory();
     cached_.clear();
-    // The last prompt token is decoded by the first propose(), which needs its logits.
-    decode_range(prompt, 0, prompt.size() - 1, false);
 }
 
 void ModelDrafter::decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
@@ -32,7 +32,7 @@ void ModelDrafter::decode_range(const std::vector<llama_token>& tokens, size_t f
     }
 }
 
-void ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
+int ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
     size_t common = 0;
     const size_t limit = std::min(cached_.size(), committed.size() - 1);
     while (common < limit && cached_[common] == committed[common]) ++common;
@@ -41,6 +41,7 @@ void ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
         cached_.resize(common);
     }
     decode_range(committed, common, committed.size(), true);
+    return static_cast<int>(committed.size() - common);
 }
 
 void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, float p_min,
@@ -49,7 +50,7 @@ void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, flo
     out.q.clear();
     out.source = DraftSource::kModel;
     if (static_cast<size_t>(k) > q_.size()) q_.resize(static_cast<size_t>(k));
-    catch_up(committed);
+    out.caught_up = catch_up(committed);
     const int n_vocab = model_.n_vocab();
     for (int i = 0; i < k; ++i) {
         const float* logits = llama_get_logits_ith(model_.ctx(), -1);

@@ -22,7 +22,8 @@ class ModelDrafter : public Drafter {
 
   private:
     // Makes the cache hold exactly committed[0..n-1) and decodes the rest, logits on the last.
-    void catch_up(const std::vector<llama_token>& committed);
+    // Returns how many tokens it decoded.
+    int catch_up(const std::vector<llama_token>& committed);
     // Appends tokens[from..to) to the cache; logits for the last one when asked.
     void decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
                       bool logits_on_last);

@@ -9,20 +9,89 @@ namespace {
 // Before any observation, assume the draft is right this often: optimistic enough to try
 // speculating, and corrected by the first few steps.
 constexpr double kPriorAcceptance = 0.7;
+// The prior counts as this many tries: enough that one unlucky first step does not talk the
+// policy out of a K it has barely tried (positions it stops trying are not re-tested).
+constexpr double kPriorWeight = 5.0;
+// Old evidence fades, but never below this many tries' worth: one new observation (after a
+// long fallback, say) moves an estimate a third of the way, not all of it.
+constexpr double kEvidenceFloor = 2.0;
+// How many tries' worth each position's estimate borrows from all positions pooled.
+constexpr double kPoolWeight = 4.0;
+// Costs move slowly (context length) but single decodes jitter (a shared machine): a slower
+// average than acceptance's, and no single sample beyond these multiples of the estimate.
+constexpr double kCostDecay = 0.97;
+constexpr double kCostSampleMin = 0.5, kCostSampleMax = 1.5;
+
+void track_cost(double& estimate, double sample) {
+    if (estimate <= 0.0) {
+        estimate = sample;
+        return;
+    }
+    sample = std::clamp(sample, kCostSampleMin * estimate, kCostSampleMax * estimate);
+    estimate = kCostDecay * estimate + (1.0 - kCostDecay) * sample;
+}
+
+// Target-only must look this much faster than the current K before drafting stops.
+constexpr double kLeaveMargin = 0.15;
+// Probing backs off only while the best K is expected to be this much slower than target-only.
+constexpr double kClearlyWorse = 0.1;
+
+// Expected tokens of a K-token draft whose positions are each accepted with probability
+// accept(i) given the ones before: one target token always, plus position j when 1..j pass.
+template <typename Accept>
+double expected_tokens_with(int k, Accept accept) {
+    double total = 1.0;
+    double all_accepted = 1.0;
+    for (int i = 0; i < k; ++i) {
+        all_accepted *= accept(i);
+        total += all_accepted;
+    }
+    return total;
+}
 }  // namespace
 
 AdaptivePolicy::AdaptivePolicy() : AdaptivePolicy(Config{}) {}
 
 AdaptivePolicy::AdaptivePolicy(Config config)
     : config_(config),
-      accept_(static_cast<size_t>(config.max_k), kPriorAcceptance),
+      tries_(static_cast<size_t>(config.max_k), kPriorWeight),
+      accepts_(static_cast<size_t>(config.max_k), kPriorWeight * kPriorAcceptance),
       tried_(static_cast<size_t>(config.max_k), 0),
       probe_interval_(config.probe_interval) {}
+
+double AdaptivePolicy::pooled_acceptance() const {
+    double accepts = 0.0, tries = 0.0;
+    for (size_t i = 0; i < tries_.size(); ++i) {
+        if (tried_[i] == 0) continue;
+        accepts += accepts_[i];
+        tries += tries_[i];
+    }
+    return tries > 0.0 ? accepts / tries : kPriorAcceptance;
+}
 
 double AdaptivePolicy::acceptance_at(int i) const {
     // A position never tried is assumed no better than the last one that was.
     while (i > 0 && tried_[static_cast<size_t>(i)] == 0) --i;
-    return accept_[static_cast<size_t>(i)];
+    const auto at = static_cast<size_t>(i);
+    // Each position's own record, leaning on all positions' together while its own is thin:
+    // later positions are tried less often, and a few unlucky tries there would otherwise
+    // decide K.
+    return (accepts_[at] + kPoolWeight * pooled_acceptance()) / (tries_[at] + kPoolWeight);
+}
+
+std::vector<double> AdaptivePolicy::acceptance() const {
+    std::vector<double> out;
+    for (int i = 0; i < config_.max_k; ++i) out.push_back(acceptance_at(i));
+    return out;
+}
+
+void AdaptivePolicy::begin_generation() {
+    // What the last request taught keeps its direction but counts as little as evidence can:
+    // this text's own first steps decide.
+    for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);
+    probe_interval_ = config_.probe_interval;
+    steps_since_probe_ = probe_interval_ - 1;  // if this text starts in fallback, probe it now
+    probing_ = false;
 }
 
 void AdaptivePolicy::calibrate(std::vector<double> verify_costs, double draft_cost,
@@ -32,15 +101,34 @@ void AdaptivePolicy::calibrate(std::vector<double> verify_costs, double draft_co
     calibration_seconds_ = seconds_taken;
 }
 
+void AdaptivePolicy::fade_to(size_t i, double weight) {
+    if (tries_[i] <= weight) return;
+    accepts_[i] *= weight / tries_[i];
+    tries_[i] = weight;
+}
+
 double AdaptivePolicy::expected_tokens(int k) const {
-    // One target token always, plus draft position j when positions 1..j are all accepted.
-    double total = 1.0;
-    double all_accepted = 1.0;
-    for (int i = 0; i < k; ++i) {
-        all_accepted *= acceptance_at(i);
-        total += all_accepted;
+    return expected_tokens_with(k, [this](int i) { return acceptance_at(i); });
+}
+
+double AdaptivePolicy::step_cost(int k) const {
+    return k * draft_cost_ + verify_cost_[static_cast<size_t>(k)];
+}
+
+int AdaptivePolicy::probe_k(int cap) const {
+    // The K that would pay best at the prior's acceptance: a probe that long tests as many
+    // positions as speculating would use.
+    int best = 1;
+    double best_rate = 0.0;
+    for (int k = 1; k <= cap; ++k) {
+        const double rate =
+            expected_tokens_with(k, [](int) { return kPriorAcceptance; }) / step_cost(k);
+        if (rate > best_rate) {
+            best = k;
+            best_rate = rate;
+        }
     }
-    return total;
+    return best;
 }
 
 bool AdaptivePolicy::can_ever_pay() const {
@@ -53,7 +141,7 @@ bool AdaptivePolicy::can_ever_pay() const {
 }
 
 double AdaptivePolicy::expected_rate(int k) const {
-    const double step = k * draft_cost_ + verify_cost_[static_cast<size_t>(k)];
+    const double step = step_cost(k);
     return step > 0.0 ? expected_tokens(k) / step : 0.0;
 }
 
@@ -65,11 +153,18 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
         return 0;
     }
     int best = 0;
-    for (int k = 1; k <= cap; ++k)
+    int best_drafting = 1;
+    for (int k = 1; k <= cap; ++k) {
         if (expected_rate(k) > expected_rate(best)) best = k;
-    // Hysteresis: keep the current K unless the best is clearly better.
+        if (expected_rate(k) > expected_rate(best_drafting)) best_drafting = k;
+    }
+    // Hysteresis: keep the current K unless the best is clearly better. Stopping drafting
+    // takes more: only drafting steps tell the policy anything, so a fallback on thin evidence
+    // (a few unlucky steps) lasts until a probe happens to contradict it, while drafting on a
+    // little longer than needed costs a few percent at most.
+    const double margin = best == 0 && current_k_ > 0 ? kLeaveMargin : config_.hysteresis;
     if (current_k_ >= 0 && current_k_ <= cap &&
-        expected_rate(best) < expected_rate(current_k_) * (1.0 + config_.hysteresis))
+        expected_rate(best) < expected_rate(current_k_) * (1.0 + margin))
         best = current_k_;
     current_k_ = best;
     if (best > 0) {
@@ -79,31 +174,37 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
         return best;
     }
     // Speculation does not pay at the current acceptance; probe now and then, since the text
-    // (and so the acceptance) changes, but less often each time a probe does not pay.
-    if (probing_) probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
+    // (and so the acceptance) changes. Where it is a close call a probe costs little and one
+    // unlucky probe proves nothing, so keep probing; back off only where speculating is clearly
+    // worse, less often each time a probe does not pay.
+    const bool clearly_worse =
+        expected_rate(best_drafting) < expected_rate(0) * (1.0 - kClearlyWorse);
+    if (probing_ && clearly_worse)
+        probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
     probing_ = false;
     if (++steps_since_probe_ >= probe_interval_) {
         steps_since_probe_ = 0;
         probing_ = true;
-        return 1;
+        return probe_k(cap);
     }
     if (why) *why = "low acceptance";
     return 0;
 }
 
-void AdaptivePolicy::observe(int k, int n_accepted, double t_draft, double t_verify) {
+void AdaptivePolicy::observe(int k, int n_accepted, double t_draft, double t_verify,
+                             bool draft_cost_is_typical) {
     const double d = config_.decay;
+    for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, std::max(kEvidenceFloor, d * tries_[i]));
     // Position i was tried only if every position before it was accepted.
     for (int i = 0; i < std::min(k, n_accepted + 1); ++i) {
-        double& a = accept_[static_cast<size_t>(i)];
-        ++tried_[static_cast<size_t>(i)];
-        a = d * a + (1.0 - d) * (i < n_accepted ? 1.0 : 0.0);
+        const auto at = static_cast<size_t>(i);
+        ++tried_[at];
+        tries_[at] += 1.0;
+        if (i < n_accepted) accepts_[at] += 1.0;
     }
-    if (k > 0) draft_cost_ = d * draft_cost_ + (1.0 - d) * (t_draft / k);
-    if (static_cast<size_t>(k) < verify_cost_.size()) {
-        double& t = verify_cost_[static_cast<size_t>(k)];
-        t = d * t + (1.0 - d) * t_verify;
-    }
+    if (k > 0 && draft_cost_is_typical) track_cost(draft_cost_, t_draft / k);
+    if (static_cast<size_t>(k) < verify_cost_.size())
+        track_cost(verify_cost_[static_cast<size_t>(k)], t_verify);
 }
 
 }  // namespace specdec

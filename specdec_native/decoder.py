@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
 
-from specdec_native import _core
+from specdec_native import _core, calibration
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT = 64
@@ -168,6 +168,10 @@ class SpeculativeDecoder:
     ``n_draft=0``, the same engine decodes with the target alone (the baseline).
     One generation runs at a time per decoder: concurrent calls from several threads are
     serialized (each waits for the one before it).
+
+    ``calibration_cache``: under "auto", reuse the decode costs measured by an earlier run with
+    the same models, settings and machine, and store newly measured ones
+    ($SPECDEC_CACHE/calibration).
     """
 
     def __init__(
@@ -184,6 +188,7 @@ class SpeculativeDecoder:
         ngram: bool = False,
         ngram_min: int = 1,
         ngram_max: int = 4,
+        calibration_cache: bool = True,
         verbose: bool = False,
     ) -> None:
         target_path = _check_model_path("target", target)
@@ -216,6 +221,23 @@ class SpeculativeDecoder:
         )
         self.target_path = target_path
         self.draft_path = draft_path
+        # Where the "auto" policy's cost curve came from: None (not yet), "measured", "cache".
+        self._calibration: str | None = None
+        self._calibration_key = (
+            calibration.inputs(
+                Path(target_path),
+                Path(draft_path) if draft_path else None,
+                {
+                    "n_threads": threads,
+                    "n_batch": n_batch,
+                    "n_gpu_layers": n_gpu_layers,
+                    "draft_n_gpu_layers": d_ngl,
+                    "ngram": bool(ngram),
+                },
+            )
+            if calibration_cache and (draft_path or ngram)
+            else None
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -303,12 +325,37 @@ class SpeculativeDecoder:
         return self._live().measure_decode_cost(tokens, max_n, repeats, draft)
 
     def calibrate(self, prompt: str | Sequence[int] = "The") -> None:
-        """Measures the costs the "auto" draft length needs (otherwise done on first use)."""
-        self._live().calibrate(self._prompt_tokens(prompt))
+        """Measures the costs the "auto" draft length needs, now and afresh (otherwise they are
+        read from the calibration cache, or measured on first use), and stores them."""
+        engine = self._live()
+        engine.calibrate(self._prompt_tokens(prompt))
+        self._calibration = "measured"
+        self._store_calibration(engine)
 
     def policy_state(self) -> dict[str, Any]:
-        """The adaptive policy's running acceptance per position and expected rate per K."""
-        return self._live().policy_state()
+        """The adaptive policy's running acceptance per position, cost estimates and expected
+        rate per K; "calibration" says where its cost curve came from."""
+        state = self._live().policy_state()
+        state["calibration"] = self._calibration or ("measured" if state["calibrated"] else None)
+        return state
+
+    def _load_calibration(self, engine: _core.Engine) -> None:
+        if self._calibration_key is None or engine.policy_state()["calibrated"]:
+            return
+        stored = calibration.load(self._calibration_key)
+        if stored is None:
+            return
+        try:
+            engine.set_calibration(*stored)
+        except ValueError:  # written by another version, or damaged: measure instead
+            return
+        self._calibration = "cache"
+
+    def _store_calibration(self, engine: _core.Engine) -> None:
+        state = engine.policy_state()
+        if self._calibration_key is not None and state["calibrated"]:
+            self._calibration = self._calibration or "measured"
+            calibration.save(self._calibration_key, state["verify_costs"], state["draft_cost"])
 
     # -- generation ------------------------------------------------------------------------
 
@@ -365,6 +412,11 @@ class SpeculativeDecoder:
         adaptive = self._adaptive if n_draft is None else _is_auto(n_draft)
         k = -1 if n_draft is None or adaptive else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
         p_min = _check_float("draft_p_min", draft_p_min, lambda v: 0 <= v <= 1, "in [0, 1]")
+        first_adaptive = (
+            adaptive and self._calibration is None and self._calibration_key is not None
+        )
+        if first_adaptive:
+            self._load_calibration(engine)
         out = engine.generate(
             tokens,
             max_tokens,
@@ -379,7 +431,7 @@ class SpeculativeDecoder:
             adaptive,
             p_min,
         )
-        return GenerationResult(
+        result = GenerationResult(
             text=out["text"],
             tokens=list(out["tokens"]),
             finish_reason=out["finish_reason"],
@@ -387,6 +439,9 @@ class SpeculativeDecoder:
             prompt_tokens=tokens,
             margins=list(out["margins"]),
         )
+        if first_adaptive and self._calibration is None:
+            self._store_calibration(engine)
+        return result
 
     def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 
+import pytest
 from conftest import NEAR_TIE_GAP, PROMPTS
 from helpers import assert_same_or_near_tie, assert_stats_add_up
 
@@ -53,3 +57,72 @@ def test_sampling_with_auto_and_p_min(tiny_pair: models.ModelPair) -> None:
         r = dec.generate("the cat", 30, n_draft=8, draft_p_min=0.99)
         # With p_min near 1, drafts stop after their first token.
         assert r.stats.n_drafted == r.stats.n_speculative_steps
+
+
+def _decoder(pair: models.ModelPair, calibration_cache: bool = True) -> sd.SpeculativeDecoder:
+    return sd.SpeculativeDecoder(
+        pair.target, pair.draft, n_ctx=256, n_threads=1, calibration_cache=calibration_cache
+    )
+
+
+def test_cost_curve_is_stored_and_reused(
+    tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with _decoder(tiny_pair) as dec:
+        assert dec.policy_state()["calibration"] is None
+        dec.generate("the cat", 20)
+        first = dec.policy_state()
+    assert first["calibration"] == "measured" and first["calibration_seconds"] > 0
+    stored = list((tmp_path / "calibration").glob("*.json"))
+    assert len(stored) == 1
+    with _decoder(tiny_pair) as dec:
+        dec.generate("the cat", 20)
+        second = dec.policy_state()
+    assert second["calibration"] == "cache" and second["calibration_seconds"] == 0
+    assert len(second["verify_costs"]) == len(first["verify_costs"])
+    # Without the cache (which it then leaves alone), or with other settings, the curve is
+    # measured again.
+    with _decoder(tiny_pair, calibration_cache=False) as dec:
+        dec.generate("the cat", 20)
+        assert dec.policy_state()["calibration"] == "measured"
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+    with sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, n_ctx=256, n_threads=2) as dec:
+        dec.generate("the cat", 20)
+        assert dec.policy_state()["calibration"] == "measured"
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
+    # calibrate() always measures, and replaces what was stored.
+    before = stored[0].stat().st_mtime_ns
+    with _decoder(tiny_pair) as dec:
+        dec.calibrate("the cat")
+        assert dec.policy_state()["calibration"] == "measured"
+    assert stored[0].stat().st_mtime_ns > before
+
+
+def test_damaged_or_stale_cost_curve_is_measured_again(
+    tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with _decoder(tiny_pair) as dec:
+        dec.generate("the cat", 20)
+    (path,) = (tmp_path / "calibration").glob("*.json")
+    record = json.loads(path.read_text())
+    for bad in ([-1.0, 0.002], [0.001], "x", None):
+        record["verify_costs"] = bad
+        path.write_text(json.dumps(record))
+        with _decoder(tiny_pair) as dec:
+            r = dec.generate("the cat", 20)
+            assert dec.policy_state()["calibration"] == "measured", bad
+        assert len(r.tokens) == 20
+    path.write_text("{not json")
+    with _decoder(tiny_pair) as dec:
+        dec.generate("the cat", 20)
+        assert dec.policy_state()["calibration"] == "measured"
+    # A model file that changed (here: touched) is a different model.
+    path.unlink()
+    with _decoder(tiny_pair) as dec:
+        dec.generate("the cat", 20)
+    os.utime(tiny_pair.draft, ns=(time.time_ns(), time.time_ns() + 10**9))
+    with _decoder(tiny_pair) as dec:
+        dec.generate("the cat", 20)
+        assert dec.policy_state()["calibration"] == "measured"

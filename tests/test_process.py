@@ -30,9 +30,11 @@ def test_sigint_stops_generation_and_engine_survives(
     deep_pair: models.ModelPair, n_draft: int | str
 ) -> None:
     script = textwrap.dedent(f"""
-        import sys, time, specdec_native as sd
+        import signal, sys, time, specdec_native as sd
+        # A launcher without job control (`cmd &` in a script) starts us with SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         dec = sd.SpeculativeDecoder({str(deep_pair.target)!r}, {str(deep_pair.draft)!r},
-                                    n_ctx=2048, n_draft={n_draft!r})
+                                    n_ctx=2048, n_draft={n_draft!r}, calibration_cache=False)
         print("ready", flush=True)
         t0 = time.time()
         try:
