@@ -10,7 +10,10 @@ from pathlib import Path
 
 from specdec_native import models
 
-RSS = "int(open('/proc/self/statm').read().split()[1]) * 4096 // 1024"  # resident KiB
+# Resident anonymous memory in KiB: what a leak grows. Total RSS also counts the pages of the
+# memory-mapped model files, which the kernel maps in and out as it likes (a CI run once saw
+# total RSS grow 13 MiB between engine 5 and 50; reruns showed 0.1-0.4 MiB).
+RSS = "next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon:'))"
 
 
 def run_script(script: str, *args: str) -> dict[str, int]:
