@@ -69,19 +69,22 @@ double AdaptivePolicy::pooled_acceptance() const {
     return tries > 0.0 ? accepts / tries : kPriorAcceptance;
 }
 
-double AdaptivePolicy::acceptance_at(int i) const {
+double AdaptivePolicy::acceptance_at(int i) const { return acceptance_at(i, pooled_acceptance()); }
+
+double AdaptivePolicy::acceptance_at(int i, double pooled) const {
     // A position never tried is assumed no better than the last one that was.
     while (i > 0 && tried_[static_cast<size_t>(i)] == 0) --i;
     const auto at = static_cast<size_t>(i);
     // Each position's own record, leaning on all positions' together while its own is thin:
     // later positions are tried less often, and a few unlucky tries there would otherwise
     // decide K.
-    return (accepts_[at] + kPoolWeight * pooled_acceptance()) / (tries_[at] + kPoolWeight);
+    return (accepts_[at] + kPoolWeight * pooled) / (tries_[at] + kPoolWeight);
 }
 
 std::vector<double> AdaptivePolicy::acceptance() const {
     std::vector<double> out;
-    for (int i = 0; i < config_.max_k; ++i) out.push_back(acceptance_at(i));
+    const double pooled = pooled_acceptance();
+    for (int i = 0; i < config_.max_k; ++i) out.push_back(acceptance_at(i, pooled));
     return out;
 }
 
@@ -140,6 +143,22 @@ bool AdaptivePolicy::can_ever_pay() const {
     return false;
 }
 
+std::vector<double> AdaptivePolicy::expected_rates(int cap) const {
+    // One pass: the pooled estimate once, E[tokens] built up position by position.
+    const std::vector<double> a = acceptance();
+    std::vector<double> rates;
+    double tokens = 1.0, all_accepted = 1.0;
+    for (int k = 0; k <= cap; ++k) {
+        if (k > 0) {
+            all_accepted *= a[static_cast<size_t>(k - 1)];
+            tokens += all_accepted;
+        }
+        const double step = step_cost(k);
+        rates.push_back(step > 0.0 ? tokens / step : 0.0);
+    }
+    return rates;
+}
+
 double AdaptivePolicy::expected_rate(int k) const {
     const double step = step_cost(k);
     return step > 0.0 ? expected_tokens(k) / step : 0.0;
@@ -152,19 +171,19 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
         if (why) *why = "draft too slow for this target";
         return 0;
     }
+    const std::vector<double> rate = expected_rates(cap);
     int best = 0;
     int best_drafting = 1;
     for (int k = 1; k <= cap; ++k) {
-        if (expected_rate(k) > expected_rate(best)) best = k;
-        if (expected_rate(k) > expected_rate(best_drafting)) best_drafting = k;
+        if (rate[k] > rate[best]) best = k;
+        if (rate[k] > rate[best_drafting]) best_drafting = k;
     }
     // Hysteresis: keep the current K unless the best is clearly better. Stopping drafting
     // takes more: only drafting steps tell the policy anything, so a fallback on thin evidence
     // (a few unlucky steps) lasts until a probe happens to contradict it, while drafting on a
     // little longer than needed costs a few percent at most.
     const double margin = best == 0 && current_k_ > 0 ? kLeaveMargin : config_.hysteresis;
-    if (current_k_ >= 0 && current_k_ <= cap &&
-        expected_rate(best) < expected_rate(current_k_) * (1.0 + margin))
+    if (current_k_ >= 0 && current_k_ <= cap && rate[best] < rate[current_k_] * (1.0 + margin))
         best = current_k_;
     current_k_ = best;
     if (best > 0) {
@@ -177,8 +196,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     // (and so the acceptance) changes. Where it is a close call a probe costs little and one
     // unlucky probe proves nothing, so keep probing; back off only where speculating is clearly
     // worse, less often each time a probe does not pay.
-    const bool clearly_worse =
-        expected_rate(best_drafting) < expected_rate(0) * (1.0 - kClearlyWorse);
+    const bool clearly_worse = rate[best_drafting] < rate[0] * (1.0 - kClearlyWorse);
     if (probing_ && clearly_worse)
         probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
     probing_ = false;

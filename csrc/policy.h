@@ -59,6 +59,8 @@ class AdaptivePolicy {
   private:
     Config config_;
     double acceptance_at(int i) const;
+    double acceptance_at(int i, double pooled) const;
+    std::vector<double> expected_rates(int cap) const;  // tokens per second for K = 0..cap
     double pooled_acceptance() const;
     double step_cost(int k) const;  // seconds: drafting k tokens and verifying k + 1
     // Scales position i's evidence down to `weight` tries, keeping its acceptance estimate.
