@@ -121,6 +121,47 @@ PYBIND11_MODULE(_core, m) {
     py::register_exception<UnsupportedModelError>(m, "UnsupportedModelError", PyExc_RuntimeError);
     py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError);
 
+    // The policy alone, for tests of its rules: pure arithmetic on costs and outcomes.
+    py::class_<AdaptivePolicy>(m, "AdaptivePolicy")
+        .def(py::init([](int max_k) {
+                 if (max_k < 1) throw py::value_error("max_k must be >= 1");
+                 AdaptivePolicy::Config config;
+                 config.max_k = max_k;
+                 return AdaptivePolicy(config);
+             }),
+             py::arg("max_k") = 10)
+        .def(
+            "calibrate",
+            [](AdaptivePolicy& p, std::vector<double> verify_costs, double draft_cost) {
+                if (verify_costs.size() < 2 ||
+                    verify_costs.size() > static_cast<size_t>(p.max_k()) + 1)
+                    throw py::value_error("verify_costs needs 2 to max_k + 1 entries");
+                for (double c : verify_costs)
+                    if (!(c > 0.0)) throw py::value_error("verify costs must be > 0");
+                if (!(draft_cost >= 0.0)) throw py::value_error("draft_cost must be >= 0");
+                p.calibrate(std::move(verify_costs), draft_cost, 0.0);
+            },
+            py::arg("verify_costs"), py::arg("draft_cost"))
+        .def("begin_generation", &AdaptivePolicy::begin_generation)
+        .def(
+            "choose",
+            [](AdaptivePolicy& p, int cap) {
+                if (!p.calibrated()) throw py::value_error("calibrate the policy first");
+                std::string why;
+                const int k = p.choose(cap, &why);
+                return py::make_tuple(k, why);
+            },
+            py::arg("cap"))
+        .def(
+            "observe",
+            [](AdaptivePolicy& p, int k, int n_accepted, double t_draft, double t_verify) {
+                if (k < 0 || k > p.max_k() || n_accepted < 0 || n_accepted > k)
+                    throw py::value_error("need 0 <= n_accepted <= k <= max_k");
+                p.observe(k, n_accepted, t_draft, t_verify);
+            },
+            py::arg("k"), py::arg("n_accepted"), py::arg("t_draft"), py::arg("t_verify"))
+        .def("acceptance", &AdaptivePolicy::acceptance);
+
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
                          int n_draft, int n_ctx, int n_batch, int n_threads, int n_gpu_layers,
