@@ -1,6 +1,9 @@
 #include "policy.h"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace specdec {
@@ -57,7 +60,9 @@ AdaptivePolicy::AdaptivePolicy(Config config)
       tries_(static_cast<size_t>(config.max_k), kPriorWeight),
       accepts_(static_cast<size_t>(config.max_k), kPriorWeight * kPriorAcceptance),
       tried_(static_cast<size_t>(config.max_k), 0),
-      probe_interval_(config.probe_interval) {}
+      probe_interval_(config.probe_interval) {
+    if (config.max_k < 1) throw std::invalid_argument("max_k must be >= 1");
+}
 
 double AdaptivePolicy::pooled_acceptance() const {
     double accepts = 0.0, tries = 0.0;
@@ -68,8 +73,6 @@ double AdaptivePolicy::pooled_acceptance() const {
     }
     return tries > 0.0 ? accepts / tries : kPriorAcceptance;
 }
-
-double AdaptivePolicy::acceptance_at(int i) const { return acceptance_at(i, pooled_acceptance()); }
 
 double AdaptivePolicy::acceptance_at(int i, double pooled) const {
     // A position never tried is assumed no better than the last one that was.
@@ -99,6 +102,15 @@ void AdaptivePolicy::begin_generation() {
 
 void AdaptivePolicy::calibrate(std::vector<double> verify_costs, double draft_cost,
                                double seconds_taken) {
+    const auto size = static_cast<int>(verify_costs.size());
+    if (size < 2 || size > config_.max_k + 1)
+        throw std::invalid_argument("need verify costs for n = 1..m with 2 <= m <= " +
+                                    std::to_string(config_.max_k + 1));
+    for (double t : verify_costs)
+        if (!std::isfinite(t) || t <= 0.0)
+            throw std::invalid_argument("verify costs must be finite and > 0");
+    if (!std::isfinite(draft_cost) || draft_cost < 0.0)
+        throw std::invalid_argument("the draft cost must be finite and >= 0");
     verify_cost_ = std::move(verify_costs);
     draft_cost_ = draft_cost;
     calibration_seconds_ = seconds_taken;
@@ -108,10 +120,6 @@ void AdaptivePolicy::fade_to(size_t i, double weight) {
     if (tries_[i] <= weight) return;
     accepts_[i] *= weight / tries_[i];
     tries_[i] = weight;
-}
-
-double AdaptivePolicy::expected_tokens(int k) const {
-    return expected_tokens_with(k, [this](int i) { return acceptance_at(i); });
 }
 
 double AdaptivePolicy::step_cost(int k) const {
@@ -157,11 +165,6 @@ std::vector<double> AdaptivePolicy::expected_rates(int cap) const {
         rates.push_back(step > 0.0 ? tokens / step : 0.0);
     }
     return rates;
-}
-
-double AdaptivePolicy::expected_rate(int k) const {
-    const double step = step_cost(k);
-    return step > 0.0 ? expected_tokens(k) / step : 0.0;
 }
 
 int AdaptivePolicy::choose(int cap, std::string* why) {

@@ -28,7 +28,8 @@ class AdaptivePolicy {
     AdaptivePolicy();
     explicit AdaptivePolicy(Config config);
 
-    // t_verify[n-1] for n = 1..max_k+1, and the draft's cost per token, from a calibration.
+    // t_verify[n-1] for n = 1..m (2 <= m <= max_k + 1), and the draft's cost per token, from a
+    // calibration. Throws std::invalid_argument for costs that are not finite and positive.
     void calibrate(std::vector<double> verify_costs, double draft_cost, double seconds_taken);
     double calibration_seconds() const { return calibration_seconds_; }
     bool calibrated() const { return !verify_cost_.empty(); }
@@ -48,8 +49,8 @@ class AdaptivePolicy {
     // draft's cache in step for occasional probes would itself cost more than it could gain.
     bool can_ever_pay() const;
 
-    double expected_tokens(int k) const;
-    double expected_rate(int k) const;       // tokens per second
+    // Expected tokens per second for K = 0..cap (cap < the number of verify costs).
+    std::vector<double> expected_rates(int cap) const;
     std::vector<double> acceptance() const;  // per draft position, as the policy estimates it
     // The running cost estimates: calibrated, then updated by each step that used them.
     const std::vector<double>& verify_costs() const { return verify_cost_; }
@@ -58,9 +59,7 @@ class AdaptivePolicy {
 
   private:
     Config config_;
-    double acceptance_at(int i) const;
     double acceptance_at(int i, double pooled) const;
-    std::vector<double> expected_rates(int cap) const;  // tokens per second for K = 0..cap
     double pooled_acceptance() const;
     double step_cost(int k) const;  // seconds: drafting k tokens and verifying k + 1
     // Scales position i's evidence down to `weight` tries, keeping its acceptance estimate.

@@ -105,7 +105,7 @@ def test_rejects_bad_input() -> None:
     p = _core.AdaptivePolicy()
     with pytest.raises(ValueError, match="calibrate"):
         p.choose(4)
-    with pytest.raises(ValueError, match="verify_costs"):
+    with pytest.raises(ValueError, match="verify costs"):
         p.calibrate([0.01], 0.001)
     with pytest.raises(ValueError, match="> 0"):
         p.calibrate([0.01, -1.0], 0.001)
