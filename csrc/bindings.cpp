@@ -131,10 +131,11 @@ PYBIND11_MODULE(_core, m) {
              py::arg("max_k") = 10)
         .def(
             "calibrate",
-            [](AdaptivePolicy& p, std::vector<double> verify_costs, double draft_cost) {
-                p.calibrate(std::move(verify_costs), draft_cost, 0.0);
+            [](AdaptivePolicy& p, std::vector<double> verify_costs,
+               std::vector<double> draft_costs) {
+                p.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
             },
-            py::arg("verify_costs"), py::arg("draft_cost"))
+            py::arg("verify_costs"), py::arg("draft_costs"))
         .def("begin_generation", &AdaptivePolicy::begin_generation)
         .def(
             "choose",
@@ -147,13 +148,36 @@ PYBIND11_MODULE(_core, m) {
             py::arg("cap"))
         .def(
             "observe",
-            [](AdaptivePolicy& p, int k, int n_accepted, double t_draft, double t_verify) {
+            [](AdaptivePolicy& p, int k, int n_accepted, double t_draft, double t_verify,
+               int caught_up, double t_catch_up) {
+                if (!p.calibrated()) throw py::value_error("calibrate the policy first");
                 if (k < 0 || k > p.max_k() || n_accepted < 0 || n_accepted > k)
                     throw py::value_error("need 0 <= n_accepted <= k <= max_k");
-                p.observe(k, n_accepted, t_draft, t_verify);
+                if (caught_up < 0 || t_catch_up < 0.0 || t_catch_up > t_draft)
+                    throw py::value_error("need caught_up >= 0 and 0 <= t_catch_up <= t_draft");
+                StepOutcome step;
+                step.k = k;
+                step.n_accepted = n_accepted;
+                step.t_draft = t_draft;
+                step.t_verify = t_verify;
+                step.caught_up = caught_up;
+                step.t_catch_up = t_catch_up;
+                p.observe(step);
             },
-            py::arg("k"), py::arg("n_accepted"), py::arg("t_draft"), py::arg("t_verify"))
-        .def("acceptance", &AdaptivePolicy::acceptance);
+            py::arg("k"), py::arg("n_accepted"), py::arg("t_draft"), py::arg("t_verify"),
+            py::arg("caught_up") = 0, py::arg("t_catch_up") = 0.0)
+        .def("acceptance", &AdaptivePolicy::acceptance)
+        .def(
+            "expected_rates",
+            [](const AdaptivePolicy& p, int cap) {
+                if (!p.calibrated()) throw py::value_error("calibrate the policy first");
+                if (cap < 0 || cap >= static_cast<int>(p.verify_costs().size()))
+                    throw py::value_error("need 0 <= cap < len(verify_costs)");
+                return p.expected_rates(cap);
+            },
+            py::arg("cap"))
+        .def_property_readonly("verify_costs", &AdaptivePolicy::verify_costs)
+        .def_property_readonly("draft_costs", &AdaptivePolicy::draft_costs);
 
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
@@ -218,11 +242,11 @@ PYBIND11_MODULE(_core, m) {
                          ? p.expected_rates(static_cast<int>(p.verify_costs().size()) - 1)
                          : std::vector<double>{};
                  d["verify_costs"] = p.verify_costs();
-                 d["draft_cost"] = p.draft_cost();
+                 d["draft_costs"] = p.draft_costs();
                  return d;
              })
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
-             py::arg("draft_cost"))
+             py::arg("draft_costs"))
         .def("cancel", &Engine::cancel)
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {

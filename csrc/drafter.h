@@ -21,6 +21,7 @@ struct Draft {
     // Tokens the drafter decoded to catch up with the committed text before drafting: one or
     // two in a step that follows a draft, more after steps without one.
     int caught_up = 0;
+    double t_catch_up = 0.0;  // seconds the catching up took
 };
 
 class Drafter {

@@ -129,12 +129,14 @@ class Generation {
         verify();
         const int n_accepted = accept_and_commit();
         if (adaptive_) {
-            // A draft that first caught up on many tokens (after steps without drafting) cost
-            // more than drafting does.
-            constexpr int kTypicalCatchUp = 2;
-            e_.policy_.observe(static_cast<int>(draft_.tokens.size()), n_accepted,
-                               stats().t_draft - t_draft, stats().t_verify - t_verify,
-                               draft_.caught_up <= kTypicalCatchUp);
+            StepOutcome outcome;
+            outcome.k = static_cast<int>(draft_.tokens.size());
+            outcome.n_accepted = n_accepted;
+            outcome.t_draft = stats().t_draft - t_draft;
+            outcome.t_verify = stats().t_verify - t_verify;
+            outcome.caught_up = draft_.caught_up;
+            outcome.t_catch_up = draft_.t_catch_up;
+            e_.policy_.observe(outcome);
         }
         // Positions at or past the first rejected draft hold keys/values of tokens that were
         // not committed.
@@ -145,6 +147,7 @@ class Generation {
         draft_.tokens.clear();
         draft_.q.clear();
         draft_.caught_up = 0;
+        draft_.t_catch_up = 0.0;
         if (k == 0) {
             stats().count_proposal(0);
             return;
@@ -375,10 +378,10 @@ void Engine::calibrate(const std::vector<llama_token>& context) {
     calibrate_locked(context);
 }
 
-void Engine::set_calibration(std::vector<double> verify_costs, double draft_cost) {
+void Engine::set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs) {
     if (!drafter_) throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
     std::lock_guard<std::mutex> lock(busy_);
-    policy_.calibrate(std::move(verify_costs), draft_cost, 0.0);
+    policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
 }
 
 void Engine::calibrate_locked(const std::vector<llama_token>& context) {
@@ -393,9 +396,11 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
     const auto start = Clock::now();
     measure_decode_cost_locked(ctx, 1, 1, *target_);  // warm-up: first decodes pay for setup
     std::vector<double> verify = measure_decode_cost_locked(ctx, max_n, 3, *target_);
-    // An n-gram draft costs a few hash lookups: nothing next to a decode.
-    const double draft_cost = draft_ ? measure_decode_cost_locked(ctx, 1, 3, *draft_)[0] : 0.0;
-    policy_.calibrate(std::move(verify), draft_cost, seconds_since(start));
+    // A step's draft decodes one or two tokens at a time. An n-gram draft costs a few hash
+    // lookups: nothing next to a decode.
+    std::vector<double> draft =
+        draft_ ? measure_decode_cost_locked(ctx, 2, 3, *draft_) : std::vector<double>{0.0, 0.0};
+    policy_.calibrate(std::move(verify), std::move(draft), seconds_since(start));
 }
 
 GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text,

@@ -78,9 +78,9 @@ class Engine {
                                             int repeats, bool on_draft);
     // Measures the cost curve the adaptive policy needs (a few seconds); done on first use.
     void calibrate(const std::vector<llama_token>& context);
-    // Uses costs measured earlier (t_verify(n) for n = 1.., seconds per draft token) instead
-    // of measuring them now.
-    void set_calibration(std::vector<double> verify_costs, double draft_cost);
+    // Uses costs measured earlier (t_verify(n) for n = 1..; a draft decode of 1 and of 2
+    // tokens) instead of measuring them now.
+    void set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs);
     const AdaptivePolicy& policy() const { return policy_; }
     // Thread-safe: makes the running generation (if any) stop at its next decode.
     void cancel() { cancel_requested_.store(true); }

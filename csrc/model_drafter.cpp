@@ -1,6 +1,7 @@
 #include "model_drafter.h"
 
 #include <algorithm>
+#include <chrono>
 
 namespace specdec {
 
@@ -50,7 +51,10 @@ void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, flo
     out.q.clear();
     out.source = DraftSource::kModel;
     if (static_cast<size_t>(k) > q_.size()) q_.resize(static_cast<size_t>(k));
+    const auto start = std::chrono::steady_clock::now();
     out.caught_up = catch_up(committed);
+    out.t_catch_up =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const int n_vocab = model_.n_vocab();
     for (int i = 0; i < k; ++i) {
         const float* logits = llama_get_logits_ith(model_.ctx(), -1);

@@ -60,6 +60,7 @@ void NgramDrafter::propose(const std::vector<llama_token>& committed, int k, flo
     out.q.clear();
     out.source = DraftSource::kNgram;
     out.caught_up = 0;
+    out.t_catch_up = 0.0;
     // Continuations must lie before the last token, or the suffix would match itself.
     index_up_to(committed, committed.size());
     for (int n = ngram_max_; n >= ngram_min_; --n) {

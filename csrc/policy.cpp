@@ -74,20 +74,26 @@ double AdaptivePolicy::pooled_acceptance() const {
     return tries > 0.0 ? accepts / tries : kPriorAcceptance;
 }
 
-double AdaptivePolicy::acceptance_at(int i, double pooled) const {
+double AdaptivePolicy::acceptance_at(int i, double lean) const {
     // A position never tried is assumed no better than the last one that was.
     while (i > 0 && tried_[static_cast<size_t>(i)] == 0) --i;
     const auto at = static_cast<size_t>(i);
-    // Each position's own record, leaning on all positions' together while its own is thin:
-    // later positions are tried less often, and a few unlucky tries there would otherwise
-    // decide K.
-    return (accepts_[at] + kPoolWeight * pooled) / (tries_[at] + kPoolWeight);
+    return (accepts_[at] + kPoolWeight * lean) / (tries_[at] + kPoolWeight);
 }
 
 std::vector<double> AdaptivePolicy::acceptance() const {
+    // Each position's own record, leaning on all positions' together while its own is thin:
+    // later positions are tried less often, and a few unlucky tries there would otherwise
+    // decide K. A deeper position leans on no more than the estimate of the one before it:
+    // the pool is mostly position 1's record, and where the draft is right at position 1 and
+    // wrong after (a two-word loop, docs/adaptive.md) it would make the positions after look
+    // as good, and K swing between 1 and 3.
     std::vector<double> out;
     const double pooled = pooled_acceptance();
-    for (int i = 0; i < config_.max_k; ++i) out.push_back(acceptance_at(i, pooled));
+    for (int i = 0; i < config_.max_k; ++i) {
+        const double lean = i == 0 ? pooled : std::min(pooled, out.back());
+        out.push_back(acceptance_at(i, lean));
+    }
     return out;
 }
 
@@ -95,12 +101,14 @@ void AdaptivePolicy::begin_generation() {
     // What the last request taught keeps its direction but counts as little as evidence can:
     // this text's own first steps decide.
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);
-    probe_interval_ = config_.probe_interval;
-    steps_since_probe_ = probe_interval_ - 1;  // if this text starts in fallback, probe it now
-    probing_ = false;
+    // If this text starts in fallback, probe it now, and then not again soon: that fallback
+    // comes from a whole request's evidence, not from a few unlucky steps.
+    probe_interval_ = config_.close_call_probe_interval;
+    steps_since_probe_ = probe_interval_ - 1;
+    probing_ = probe_again_ = false;
 }
 
-void AdaptivePolicy::calibrate(std::vector<double> verify_costs, double draft_cost,
+void AdaptivePolicy::calibrate(std::vector<double> verify_costs, std::vector<double> draft_costs,
                                double seconds_taken) {
     const auto size = static_cast<int>(verify_costs.size());
     if (size < 2 || size > config_.max_k + 1)
@@ -109,10 +117,13 @@ void AdaptivePolicy::calibrate(std::vector<double> verify_costs, double draft_co
     for (double t : verify_costs)
         if (!std::isfinite(t) || t <= 0.0)
             throw std::invalid_argument("verify costs must be finite and > 0");
-    if (!std::isfinite(draft_cost) || draft_cost < 0.0)
-        throw std::invalid_argument("the draft cost must be finite and >= 0");
+    if (draft_costs.size() != 2)
+        throw std::invalid_argument("need the draft's costs for a decode of 1 and of 2 tokens");
+    for (double t : draft_costs)
+        if (!std::isfinite(t) || t < 0.0)
+            throw std::invalid_argument("draft costs must be finite and >= 0");
     verify_cost_ = std::move(verify_costs);
-    draft_cost_ = draft_cost;
+    draft_cost_ = std::move(draft_costs);
     calibration_seconds_ = seconds_taken;
 }
 
@@ -122,8 +133,18 @@ void AdaptivePolicy::fade_to(size_t i, double weight) {
     tries_[i] = weight;
 }
 
-double AdaptivePolicy::step_cost(int k) const {
-    return k * draft_cost_ + verify_cost_[static_cast<size_t>(k)];
+double AdaptivePolicy::step_cost(int k, double all_accepted) const {
+    const double verify = verify_cost_[static_cast<size_t>(k)];
+    if (k == 0) return verify;
+    const double d1 = draft_cost_[0], d2 = draft_cost_[1];
+    return k * d1 + all_accepted * (d2 - d1) + verify;
+}
+
+bool AdaptivePolicy::probe_paid(int k, int n_accepted) const {
+    // Costs as modelled rather than as measured: a probe's draft first catches up on every
+    // token committed while falling back, a cost of having fallen back, not of drafting.
+    const double all_accepted = n_accepted == k ? 1.0 : 0.0;
+    return (n_accepted + 1) / step_cost(k, all_accepted) > 1.0 / verify_cost_[0];
 }
 
 int AdaptivePolicy::probe_k(int cap) const {
@@ -132,8 +153,8 @@ int AdaptivePolicy::probe_k(int cap) const {
     int best = 1;
     double best_rate = 0.0;
     for (int k = 1; k <= cap; ++k) {
-        const double rate =
-            expected_tokens_with(k, [](int) { return kPriorAcceptance; }) / step_cost(k);
+        const double rate = expected_tokens_with(k, [](int) { return kPriorAcceptance; }) /
+                            step_cost(k, std::pow(kPriorAcceptance, k));
         if (rate > best_rate) {
             best = k;
             best_rate = rate;
@@ -144,8 +165,8 @@ int AdaptivePolicy::probe_k(int cap) const {
 
 bool AdaptivePolicy::can_ever_pay() const {
     const double target_only = 1.0 / verify_cost_[0];
-    for (size_t k = 1; k < verify_cost_.size(); ++k) {
-        const double best_case = static_cast<double>(k + 1) / (k * draft_cost_ + verify_cost_[k]);
+    for (int k = 1; k < static_cast<int>(verify_cost_.size()); ++k) {
+        const double best_case = (k + 1) / step_cost(k, 1.0);
         if (best_case > target_only * (1.0 + config_.hysteresis)) return true;
     }
     return false;
@@ -161,7 +182,7 @@ std::vector<double> AdaptivePolicy::expected_rates(int cap) const {
             all_accepted *= a[static_cast<size_t>(k - 1)];
             tokens += all_accepted;
         }
-        const double step = step_cost(k);
+        const double step = step_cost(k, all_accepted);
         rates.push_back(step > 0.0 ? tokens / step : 0.0);
     }
     return rates;
@@ -192,17 +213,30 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     if (best > 0) {
         steps_since_probe_ = 0;
         probe_interval_ = config_.probe_interval;
-        probing_ = false;
+        probing_ = probe_again_ = false;
         return best;
     }
     // Speculation does not pay at the current acceptance; probe now and then, since the text
-    // (and so the acceptance) changes. Where it is a close call a probe costs little and one
-    // unlucky probe proves nothing, so keep probing; back off only where speculating is clearly
-    // worse, less often each time a probe does not pay.
-    const bool clearly_worse = rate[best_drafting] < rate[0] * (1.0 - kClearlyWorse);
-    if (probing_ && clearly_worse)
-        probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
+    // (and so the acceptance) changes: soon after falling back (a few unlucky steps are a common
+    // reason to), then less often after each probe that finds nothing. Where it is a close call
+    // a probe costs little, so probing never becomes rare there.
+    // A probe that paid (committed tokens faster than the target alone would have) is followed
+    // by another, of the K the estimates now favour: the text may have turned easier, and one
+    // probe's evidence is too little to bring drafting back on its own.
+    if (probing_ && !probe_again_) {
+        const bool clearly_worse = rate[best_drafting] < rate[0] * (1.0 - kClearlyWorse);
+        const int limit = clearly_worse
+                              ? config_.max_probe_interval
+                              : std::max(config_.close_call_probe_interval, probe_interval_);
+        probe_interval_ = std::min(probe_interval_ * 2, limit);
+    }
     probing_ = false;
+    if (probe_again_) {
+        steps_since_probe_ = 0;
+        probing_ = true;
+        probe_again_ = false;
+        return best_drafting;
+    }
     if (++steps_since_probe_ >= probe_interval_) {
         steps_since_probe_ = 0;
         probing_ = true;
@@ -212,8 +246,8 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     return 0;
 }
 
-void AdaptivePolicy::observe(int k, int n_accepted, double t_draft, double t_verify,
-                             bool draft_cost_is_typical) {
+void AdaptivePolicy::observe(const StepOutcome& step) {
+    const int k = step.k, n_accepted = step.n_accepted;
     const double d = config_.decay;
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, std::max(kEvidenceFloor, d * tries_[i]));
     // Position i was tried only if every position before it was accepted.
@@ -223,9 +257,14 @@ void AdaptivePolicy::observe(int k, int n_accepted, double t_draft, double t_ver
         tries_[at] += 1.0;
         if (i < n_accepted) accepts_[at] += 1.0;
     }
-    if (k > 0 && draft_cost_is_typical) track_cost(draft_cost_, t_draft / k);
+    if (!calibrated()) return;
+    probe_again_ = probing_ && k > 0 && probe_paid(k, n_accepted);
+    if (step.caught_up == 1 || step.caught_up == 2)
+        track_cost(draft_cost_[static_cast<size_t>(step.caught_up - 1)], step.t_catch_up);
+    // After catching up, each draft token but the last is decoded on its own.
+    if (k >= 2) track_cost(draft_cost_[0], (step.t_draft - step.t_catch_up) / (k - 1));
     if (static_cast<size_t>(k) < verify_cost_.size())
-        track_cost(verify_cost_[static_cast<size_t>(k)], t_verify);
+        track_cost(verify_cost_[static_cast<size_t>(k)], step.t_verify);
 }
 
 }  // namespace specdec

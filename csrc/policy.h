@@ -6,11 +6,28 @@
 
 namespace specdec {
 
+// What one step did, for the policy to learn from.
+struct StepOutcome {
+    int k = 0;                // tokens drafted (0: target only)
+    int n_accepted = 0;       // of those, accepted
+    double t_draft = 0.0;     // seconds: all drafting, catching up included
+    double t_verify = 0.0;    // seconds: the target's decode of k + 1 tokens
+    int caught_up = 0;        // tokens the draft decoded to catch up before drafting
+    double t_catch_up = 0.0;  // seconds that took
+};
+
 // Picks K to maximise expected committed tokens per second,
-//     E[tokens](K) / (K * t_draft + t_verify(K + 1)),
+//     E[tokens](K) / (t_draft(K) + t_verify(K + 1)),
 // from decaying averages of the acceptance at each draft position and of the costs, where
 // t_verify(n) is this machine's measured cost of a target decode of n tokens (not assumed flat:
 // on CPUs it rises with n, and unevenly). K = 0 (target only) competes like any other K.
+//
+// Drafting K tokens costs the draft K decodes: first the token(s) the last step committed, then
+// K - 1 of its own. The first is a two-token decode when the last draft was accepted whole (its
+// last token and the bonus) and a one-token decode otherwise, so
+//     t_draft(K) = K * d1 + P(all K accepted) * (d2 - d1)
+// with d1 and d2 the costs of a one- and a two-token draft decode. (A single cost per draft
+// token, K * d, tracked from whole steps, reads high at K = 1 and low at large K.)
 //
 // Acceptance evidence fades with every step, drafted or not (down to a floor): while the
 // policy falls back to the target alone, what it learnt grows stale, so the next probe speaks
@@ -19,18 +36,24 @@ class AdaptivePolicy {
   public:
     struct Config {
         int max_k = 10;
-        double decay = 0.9;            // weight of the past in the acceptance averages
-        double hysteresis = 0.03;      // switch K only for a predicted gain above this
-        int probe_interval = 16;       // while falling back, draft once every this many steps...
-        int max_probe_interval = 256;  // ...doubling after each probe that does not pay
+        double decay = 0.9;        // weight of the past in the acceptance averages
+        double hysteresis = 0.03;  // switch K only for a predicted gain above this
+        // While falling back, draft once after this many steps, then after twice as many, and so
+        // on: up to `close_call_probe_interval` steps while speculating is nearly as fast as
+        // not, up to `max_probe_interval` while it is clearly slower.
+        int probe_interval = 4;
+        int close_call_probe_interval = 16;
+        int max_probe_interval = 256;
     };
 
     AdaptivePolicy();
     explicit AdaptivePolicy(Config config);
 
-    // t_verify[n-1] for n = 1..m (2 <= m <= max_k + 1), and the draft's cost per token, from a
-    // calibration. Throws std::invalid_argument for costs that are not finite and positive.
-    void calibrate(std::vector<double> verify_costs, double draft_cost, double seconds_taken);
+    // t_verify[n-1] for n = 1..m (2 <= m <= max_k + 1), and the costs of a one- and a two-token
+    // draft decode, from a calibration. Throws std::invalid_argument for costs that are not
+    // finite, verify costs that are not positive and draft costs that are negative.
+    void calibrate(std::vector<double> verify_costs, std::vector<double> draft_costs,
+                   double seconds_taken);
     double calibration_seconds() const { return calibration_seconds_; }
     bool calibrated() const { return !verify_cost_.empty(); }
 
@@ -38,11 +61,9 @@ class AdaptivePolicy {
     void begin_generation();
     // K for the next step, at most `cap`; 0 means target only. `why` explains a fallback.
     int choose(int cap, std::string* why);
-    // What a step did: K drafted, n accepted, and what drafting and verifying cost.
-    // `t_draft` is left out of the draft's cost estimate when `draft_cost_is_typical` is false
-    // (the draft first caught up on many tokens, e.g. after a fallback).
-    void observe(int k, int n_accepted, double t_draft, double t_verify,
-                 bool draft_cost_is_typical = true);
+    // Learns from what a step did. A catch-up of more than two tokens (after steps without
+    // drafting) is not a cost drafting has, and is left out of the cost estimates.
+    void observe(const StepOutcome& step);
 
     // Whether any K could beat target-only even if every draft token were accepted. When not
     // (a draft nearly as slow as the target), the policy stops drafting for good: keeping the
@@ -54,17 +75,22 @@ class AdaptivePolicy {
     std::vector<double> acceptance() const;  // per draft position, as the policy estimates it
     // The running cost estimates: calibrated, then updated by each step that used them.
     const std::vector<double>& verify_costs() const { return verify_cost_; }
-    double draft_cost() const { return draft_cost_; }
+    const std::vector<double>& draft_costs() const { return draft_cost_; }
     int max_k() const { return config_.max_k; }
 
   private:
     Config config_;
-    double acceptance_at(int i, double pooled) const;
+    // Position i+1's estimate: its own record, leaning on `lean` as much as kPoolWeight tries.
+    double acceptance_at(int i, double lean) const;
     double pooled_acceptance() const;
-    double step_cost(int k) const;  // seconds: drafting k tokens and verifying k + 1
+    // Seconds for a step that drafts k tokens and verifies k + 1, where all k are accepted with
+    // probability `all_accepted`.
+    double step_cost(int k, double all_accepted) const;
     // Scales position i's evidence down to `weight` tries, keeping its acceptance estimate.
     void fade_to(size_t i, double weight);
     int probe_k(int cap) const;
+    // Whether a probe of k tokens with n accepted committed tokens faster than target-only.
+    bool probe_paid(int k, int n_accepted) const;
 
     // For position i+1: decayed counts of tries and of acceptances (each given that the
     // positions before it were accepted); their ratio is the acceptance estimate.
@@ -72,12 +98,13 @@ class AdaptivePolicy {
     std::vector<double> accepts_;
     std::vector<int> tried_;           // [i]: how often position i+1 was ever tried
     std::vector<double> verify_cost_;  // [n-1]: seconds for a target decode of n tokens
-    double draft_cost_ = 0.0;          // seconds per drafted token
+    std::vector<double> draft_cost_;   // [n-1]: seconds for a draft decode of n = 1, 2 tokens
     double calibration_seconds_ = 0.0;
     int current_k_ = -1;
     int steps_since_probe_ = 0;
     int probe_interval_ = 0;
-    bool probing_ = false;
+    bool probing_ = false;      // the step being observed is a probe
+    bool probe_again_ = false;  // the last probe paid: probe once more
 };
 
 }  // namespace specdec

@@ -20,7 +20,8 @@ from typing import Any
 from specdec_native import _core
 from specdec_native._paths import cache_base
 
-FORMAT = 1
+# 2: the draft cost became two, a decode of one token and of two.
+FORMAT = 2
 
 
 def _file_identity(path: Path) -> list[Any]:
@@ -57,25 +58,25 @@ def _path(key_inputs: dict[str, Any]) -> Path:
     return cache_base() / "calibration" / f"{digest[:24]}.json"
 
 
-def load(key_inputs: dict[str, Any]) -> tuple[list[float], float] | None:
-    """The stored (verify costs, draft cost per token), or None when there are none that fit."""
+def load(key_inputs: dict[str, Any]) -> tuple[list[float], list[float]] | None:
+    """The stored (verify costs, draft costs), or None when there are none that fit."""
     try:
         data = json.loads(_path(key_inputs).read_text())
         if data["inputs"] != key_inputs:
             return None
-        return [float(t) for t in data["verify_costs"]], float(data["draft_cost"])
+        return [float(t) for t in data["verify_costs"]], [float(t) for t in data["draft_costs"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def save(key_inputs: dict[str, Any], verify_costs: list[float], draft_cost: float) -> None:
+def save(key_inputs: dict[str, Any], verify_costs: list[float], draft_costs: list[float]) -> None:
     """Stores the curve; a cache that cannot be written is not an error (it is measured again
     next time)."""
     path = _path(key_inputs)
     record = {
         "inputs": key_inputs,
         "verify_costs": verify_costs,
-        "draft_cost": draft_cost,
+        "draft_costs": draft_costs,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:

@@ -355,7 +355,7 @@ class SpeculativeDecoder:
         state = engine.policy_state()
         if self._calibration_key is not None and state["calibrated"]:
             self._calibration = self._calibration or "measured"
-            calibration.save(self._calibration_key, state["verify_costs"], state["draft_cost"])
+            calibration.save(self._calibration_key, state["verify_costs"], state["draft_costs"])
 
     # -- generation ------------------------------------------------------------------------
 
