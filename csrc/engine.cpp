@@ -307,14 +307,8 @@ Engine::~Engine() = default;
 
 void Engine::decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
                              size_t end, bool logits_on_last, size_t chunk) {
-    if (chunk == 0) chunk = static_cast<size_t>(batch.capacity());
-    for (size_t start = 0; start < end; start += chunk) {
-        const size_t stop = std::min(end, start + chunk);
-        batch.clear();
-        for (size_t i = start; i < stop; ++i)
-            batch.add(tokens[i], static_cast<llama_pos>(i), logits_on_last && i + 1 == end);
-        decode(model, batch);
-    }
+    decode_in_chunks(batch, tokens, 0, end, 0, logits_on_last, chunk,
+                     [&](const Batch& b) { decode(model, b); });
 }
 
 void Engine::decode(Model& model, const Batch& batch) {

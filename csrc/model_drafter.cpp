@@ -20,17 +20,11 @@ void ModelDrafter::begin(const std::vector<llama_token>& /*prompt*/) {
 
 void ModelDrafter::decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
                                 bool logits_on_last) {
-    const size_t chunk = static_cast<size_t>(batch_.capacity());
-    for (size_t start = from; start < to; start += chunk) {
-        const size_t end = std::min(to, start + chunk);
-        batch_.clear();
-        for (size_t i = start; i < end; ++i) {
-            batch_.add(tokens[i], static_cast<llama_pos>(cached_.size()),
-                       logits_on_last && i + 1 == to);
-            cached_.push_back(tokens[i]);
-        }
-        decode_(model_, batch_);
-    }
+    const auto first_pos = static_cast<llama_pos>(cached_.size());
+    cached_.insert(cached_.end(), tokens.begin() + static_cast<long>(from),
+                   tokens.begin() + static_cast<long>(to));
+    decode_in_chunks(batch_, tokens, from, to, first_pos, logits_on_last, 0,
+                     [this](const Batch& b) { decode_(model_, b); });
 }
 
 int ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
