@@ -57,6 +57,10 @@ ModelParams model_params(const std::string& path, int n_gpu_layers, int n_ctx, i
     return p;
 }
 
+void require_calibrated(const AdaptivePolicy& p) {
+    if (!p.calibrated()) throw py::value_error("calibrate the policy first");
+}
+
 // Holds the first Python exception raised while the engine ran (a callback's, or
 // KeyboardInterrupt from a signal handler), to re-raise once the engine has unwound.
 struct PendingError {
@@ -140,7 +144,7 @@ PYBIND11_MODULE(_core, m) {
         .def(
             "choose",
             [](AdaptivePolicy& p, int cap) {
-                if (!p.calibrated()) throw py::value_error("calibrate the policy first");
+                require_calibrated(p);
                 std::string why;
                 const int k = p.choose(cap, &why);
                 return py::make_tuple(k, why);
@@ -150,19 +154,12 @@ PYBIND11_MODULE(_core, m) {
             "observe",
             [](AdaptivePolicy& p, int k, int n_accepted, double t_draft, double t_verify,
                int caught_up, double t_catch_up) {
-                if (!p.calibrated()) throw py::value_error("calibrate the policy first");
+                require_calibrated(p);
                 if (k < 0 || k > p.max_k() || n_accepted < 0 || n_accepted > k)
                     throw py::value_error("need 0 <= n_accepted <= k <= max_k");
                 if (caught_up < 0 || t_catch_up < 0.0 || t_catch_up > t_draft)
                     throw py::value_error("need caught_up >= 0 and 0 <= t_catch_up <= t_draft");
-                StepOutcome step;
-                step.k = k;
-                step.n_accepted = n_accepted;
-                step.t_draft = t_draft;
-                step.t_verify = t_verify;
-                step.caught_up = caught_up;
-                step.t_catch_up = t_catch_up;
-                p.observe(step);
+                p.observe(StepOutcome{k, n_accepted, t_draft, t_verify, caught_up, t_catch_up});
             },
             py::arg("k"), py::arg("n_accepted"), py::arg("t_draft"), py::arg("t_verify"),
             py::arg("caught_up") = 0, py::arg("t_catch_up") = 0.0)
@@ -170,7 +167,7 @@ PYBIND11_MODULE(_core, m) {
         .def(
             "expected_rates",
             [](const AdaptivePolicy& p, int cap) {
-                if (!p.calibrated()) throw py::value_error("calibrate the policy first");
+                require_calibrated(p);
                 if (cap < 0 || cap >= static_cast<int>(p.verify_costs().size()))
                     throw py::value_error("need 0 <= cap < len(verify_costs)");
                 return p.expected_rates(cap);

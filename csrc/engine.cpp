@@ -129,14 +129,9 @@ class Generation {
         verify();
         const int n_accepted = accept_and_commit();
         if (adaptive_) {
-            StepOutcome outcome;
-            outcome.k = static_cast<int>(draft_.tokens.size());
-            outcome.n_accepted = n_accepted;
-            outcome.t_draft = stats().t_draft - t_draft;
-            outcome.t_verify = stats().t_verify - t_verify;
-            outcome.caught_up = draft_.caught_up;
-            outcome.t_catch_up = draft_.t_catch_up;
-            e_.policy_.observe(outcome);
+            e_.policy_.observe(StepOutcome{static_cast<int>(draft_.tokens.size()), n_accepted,
+                                           stats().t_draft - t_draft, stats().t_verify - t_verify,
+                                           draft_.caught_up, draft_.t_catch_up});
         }
         // Positions at or past the first rejected draft hold keys/values of tokens that were
         // not committed.
