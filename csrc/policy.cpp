@@ -222,20 +222,29 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     // a probe costs little, so probing never becomes rare there.
     // A probe that paid (committed tokens faster than the target alone would have) is followed
     // by another, of the K the estimates now favour: the text may have turned easier, and one
-    // probe's evidence is too little to bring drafting back on its own.
+    // probe's evidence is too little to bring drafting back on its own. A probe that did not
+    // pay, but whose accepted prefix would have as a draft of its own, is followed by a probe
+    // of that length: where the draft is right at position 1 and wrong at 2, probes of the
+    // prior's K never pay, and ones of K = 1 do.
+    // When a run of probes ends, the next waits probe_interval steps if a probe has paid since
+    // the last run that found nothing (the text has easier stretches: on the code prompt of
+    // the layer-skip pair, doubling after `33 30` left it at target-only for 30 steps where
+    // K = 3 gives 1.3x), and twice as long as the last wait otherwise.
     if (probing_ && !probe_again_) {
         const bool clearly_worse = rate[best_drafting] < rate[0] * (1.0 - kClearlyWorse);
         const int limit = clearly_worse
                               ? config_.max_probe_interval
                               : std::max(config_.close_call_probe_interval, probe_interval_);
-        probe_interval_ = std::min(probe_interval_ * 2, limit);
+        probe_interval_ =
+            probes_paid_ ? config_.probe_interval : std::min(probe_interval_ * 2, limit);
+        probes_paid_ = false;
     }
     probing_ = false;
     if (probe_again_) {
         steps_since_probe_ = 0;
         probing_ = true;
         probe_again_ = false;
-        return best_drafting;
+        return probe_again_k_ > 0 ? std::min(probe_again_k_, cap) : best_drafting;
     }
     if (++steps_since_probe_ >= probe_interval_) {
         steps_since_probe_ = 0;
@@ -246,19 +255,39 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     return 0;
 }
 
+void AdaptivePolicy::decide_on_probe(int k, int n_accepted) {
+    probe_again_ = false;
+    probe_again_k_ = 0;
+    if (!probing_ || k == 0) return;
+    if (probe_paid(k, n_accepted)) {
+        probe_again_ = true;
+        probes_paid_ = true;
+    } else if (n_accepted > 0 && probe_paid(n_accepted, n_accepted)) {
+        // Its first n_accepted tokens alone, a whole accepted draft, would have paid.
+        probe_again_ = true;
+        probe_again_k_ = n_accepted;
+    }
+}
+
 void AdaptivePolicy::observe(const StepOutcome& step) {
     const int k = step.k, n_accepted = step.n_accepted;
-    const double d = config_.decay;
-    for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, std::max(kEvidenceFloor, d * tries_[i]));
     // Position i was tried only if every position before it was accepted.
-    for (int i = 0; i < std::min(k, n_accepted + 1); ++i) {
+    const int reached = std::min(k, n_accepted + 1);
+    // While drafting, a position the step did not reach keeps its evidence: fading it would
+    // let it drift back towards the pooled estimate and be tried again and again (on the chat
+    // prompt of the layer-skip pair, K = 3 for a few steps out of every eight where position
+    // 2 is never right). While not drafting, all of it grows stale.
+    const auto n_fading = static_cast<size_t>(k == 0 ? config_.max_k : reached);
+    for (size_t i = 0; i < n_fading; ++i)
+        fade_to(i, std::max(kEvidenceFloor, config_.decay * tries_[i]));
+    for (int i = 0; i < reached; ++i) {
         const auto at = static_cast<size_t>(i);
         ++tried_[at];
         tries_[at] += 1.0;
         if (i < n_accepted) accepts_[at] += 1.0;
     }
     if (!calibrated()) return;
-    probe_again_ = probing_ && k > 0 && probe_paid(k, n_accepted);
+    decide_on_probe(k, n_accepted);
     if (step.caught_up == 1 || step.caught_up == 2)
         track_cost(draft_cost_[static_cast<size_t>(step.caught_up - 1)], step.t_catch_up);
     // After catching up, each draft token but the last is decoded on its own.

@@ -29,9 +29,9 @@ struct StepOutcome {
 // with d1 and d2 the costs of a one- and a two-token draft decode. (A single cost per draft
 // token, K * d, tracked from whole steps, reads high at K = 1 and low at large K.)
 //
-// Acceptance evidence fades with every step, drafted or not (down to a floor): while the
-// policy falls back to the target alone, what it learnt grows stale, so the next probe speaks
-// with a louder voice.
+// Acceptance evidence fades (down to a floor) with every drafting step that reaches its
+// position, and all of it with every step without a draft: while the policy falls back to the
+// target alone, what it learnt grows stale, so the next probe speaks with a louder voice.
 class AdaptivePolicy {
   public:
     struct Config {
@@ -91,6 +91,8 @@ class AdaptivePolicy {
     int probe_k(int cap) const;
     // Whether a probe of k tokens with n accepted committed tokens faster than target-only.
     bool probe_paid(int k, int n_accepted) const;
+    // After a step: whether it was a probe that calls for another, and of which K.
+    void decide_on_probe(int k, int n_accepted);
 
     // For position i+1: decayed counts of tries and of acceptances (each given that the
     // positions before it were accepted); their ratio is the acceptance estimate.
@@ -103,8 +105,14 @@ class AdaptivePolicy {
     int current_k_ = -1;
     int steps_since_probe_ = 0;
     int probe_interval_ = 0;
-    bool probing_ = false;      // the step being observed is a probe
-    bool probe_again_ = false;  // the last probe paid: probe once more
+    bool probing_ = false;  // the step being observed is a probe
+    // The last probe paid, or its accepted prefix would have as a shorter draft: probe once
+    // more, of probe_again_k_ tokens (0: the K the estimates favour).
+    bool probe_again_ = false;
+    int probe_again_k_ = 0;
+    // A probe has paid since the last run of probes that found nothing; kept while drafting
+    // and across requests: a text with easier stretches is looked at again soon.
+    bool probes_paid_ = false;
 };
 
 }  // namespace specdec

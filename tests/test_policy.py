@@ -6,6 +6,7 @@ outcomes chosen to isolate each rule; tests/test_adaptive.py runs it inside the 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -38,14 +39,18 @@ def run(
     accepted_run: int | None = None,
     rate: float = 1.0,
     rng: random.Random | None = None,
+    outcome: Callable[[int], int] | None = None,
 ) -> list[int]:
     """Drives `steps` steps: each draft is accepted up to position `accepted_run` (a text where
-    the draft is right that far each time), or position by position with probability `rate`."""
+    the draft is right that far each time), or position by position with probability `rate`,
+    or as `outcome(k)` says for a draft of k > 0."""
     chosen = []
     whole = False
     for _ in range(steps):
         k, _why = p.choose(10)
-        if accepted_run is not None:
+        if outcome is not None:
+            n = outcome(k) if k > 0 else 0
+        elif accepted_run is not None:
             n = min(k, accepted_run)
         else:
             assert rng is not None
@@ -126,10 +131,67 @@ def test_a_probe_with_a_token_accepted_is_followed_by_another() -> None:
     assert all(k > 0 for k in ks[first:])
 
 
+def test_after_a_probe_that_paid_probes_stay_frequent() -> None:
+    # Fallen back on a text the draft gets wrong, long enough for the wait between probes to
+    # have grown. Then a text with easier stretches: every other draft is accepted whole, the
+    # rest not at all, starting with a whole one. Once a probe has paid, the policy never again
+    # waits longer than the first interval (4 steps: 3 target-only steps between drafts),
+    # instead of doubling the wait after each run of probes that ends in a failure.
+    p = policy()
+    ks = run(p, 60, accepted_run=0)
+    assert max(_waits(ks)) >= 15
+    whole = [False]
+
+    def every_other(k: int) -> int:
+        whole[0] = not whole[0]
+        return k if whole[0] else 0
+
+    ks = run(p, 120, outcome=every_other)
+    first_probe = next(i for i, k in enumerate(ks) if k > 0)
+    assert max(_waits(ks[first_probe:])) <= 3
+
+
+def _waits(ks: list[int]) -> list[int]:
+    """Lengths of the stretches of target-only steps between drafting steps."""
+    waits, current = [], 0
+    for k in ks:
+        if k == 0:
+            current += 1
+        else:
+            if current:
+                waits.append(current)
+            current = 0
+    return waits or [0]
+
+
 def test_settles_on_the_k_the_text_supports() -> None:
     # Position 1 always right, position 2 never (the chat case in docs/benchmarks.md).
     ks = run(policy(), 80, accepted_run=1)
-    assert ks[-40:].count(1) >= 36
+    assert ks[-40:].count(1) >= 39
+
+
+def test_positions_a_draft_never_reaches_do_not_drift_back() -> None:
+    # After a request where long drafts paid, the chat case: position 2 is tried, always fails,
+    # and while K = 1 drafts it keeps that record instead of fading back towards position 1's
+    # (which used to bring K = 3 back for a few steps out of every eight).
+    p = policy()
+    run(p, 60, accepted_run=10)
+    p.begin_generation()
+    ks = run(p, 100, accepted_run=1)
+    assert ks[-60:].count(1) >= 58
+
+
+def test_a_probe_whose_accepted_prefix_would_have_paid_is_followed_by_that_length() -> None:
+    # Fallen back on a text the draft gets wrong; then the text turns into one where position 1
+    # is always right and position 2 never. A probe of the prior's K (3) never pays there, but
+    # its accepted first token would have as a draft of one: the next step probes K = 1, and
+    # drafting comes back at K = 1.
+    p = policy()
+    run(p, 40, accepted_run=0)
+    ks = run(p, 60, accepted_run=1)
+    first = next(i for i, k in enumerate(ks) if k > 0)
+    assert ks[first] == 3 and ks[first + 1] == 1
+    assert ks[-30:].count(1) >= 29
 
 
 def test_a_probe_brings_drafting_back_when_the_text_gets_easier() -> None:
