@@ -220,16 +220,11 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     // (and so the acceptance) changes: soon after falling back (a few unlucky steps are a common
     // reason to), then less often after each probe that finds nothing. Where it is a close call
     // a probe costs little, so probing never becomes rare there.
-    // A probe that paid (committed tokens faster than the target alone would have) is followed
-    // by another, of the K the estimates now favour: the text may have turned easier, and one
-    // probe's evidence is too little to bring drafting back on its own. A probe that did not
-    // pay, but whose accepted prefix would have as a draft of its own, is followed by a probe
-    // of that length: where the draft is right at position 1 and wrong at 2, probes of the
-    // prior's K never pay, and ones of K = 1 do.
-    // When a run of probes ends, the next waits probe_interval steps if a probe has paid since
-    // the last run that found nothing (the text has easier stretches: on the code prompt of
-    // the layer-skip pair, doubling after `33 30` left it at target-only for 30 steps where
-    // K = 3 gives 1.3x), and twice as long as the last wait otherwise.
+    // Whether a probe calls for another at once is decided when it is observed
+    // (decide_on_probe). When a run of probes ends, the next waits probe_interval steps if a probe
+    // has paid since the last run that found nothing (the text has easier stretches: on the code
+    // prompt of the layer-skip pair, doubling after `33 30` left it at target-only for 30 steps
+    // where K = 3 gives 1.3x), and twice as long as the last wait otherwise.
     if (probing_ && !probe_again_) {
         const bool clearly_worse = rate[best_drafting] < rate[0] * (1.0 - kClearlyWorse);
         const int limit = clearly_worse
@@ -259,11 +254,16 @@ void AdaptivePolicy::decide_on_probe(int k, int n_accepted) {
     probe_again_ = false;
     probe_again_k_ = 0;
     if (!probing_ || k == 0) return;
+    // A probe that paid (committed tokens faster than the target alone would have) is followed
+    // by another, of the K the estimates now favour: the text may have turned easier, and one
+    // probe's evidence is too little to bring drafting back on its own.
     if (probe_paid(k, n_accepted)) {
         probe_again_ = true;
         probes_paid_ = true;
-    } else if (n_accepted > 0 && probe_paid(n_accepted, n_accepted)) {
-        // Its first n_accepted tokens alone, a whole accepted draft, would have paid.
+    } else if (n_accepted > 0 && n_accepted < k && probe_paid(n_accepted, n_accepted)) {
+        // Its accepted prefix alone, as a whole accepted draft, would have paid: probe that
+        // length. Where the draft is right at position 1 and wrong at 2, probes of the prior's
+        // K never pay, and ones of K = 1 do.
         probe_again_ = true;
         probe_again_k_ = n_accepted;
     }
@@ -277,7 +277,7 @@ void AdaptivePolicy::observe(const StepOutcome& step) {
     // let it drift back towards the pooled estimate and be tried again and again (on the chat
     // prompt of the layer-skip pair, K = 3 for a few steps out of every eight where position
     // 2 is never right). While not drafting, all of it grows stale.
-    const auto n_fading = static_cast<size_t>(k == 0 ? config_.max_k : reached);
+    const size_t n_fading = k == 0 ? tries_.size() : static_cast<size_t>(reached);
     for (size_t i = 0; i < n_fading; ++i)
         fade_to(i, std::max(kEvidenceFloor, config_.decay * tries_[i]));
     for (int i = 0; i < reached; ++i) {
