@@ -306,6 +306,23 @@ PYBIND11_MODULE(_core, m) {
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
 
+    // The calibration's estimates from timed sweeps, exposed for unit tests.
+    m.def(
+        "estimate_costs",
+        [](const std::vector<std::vector<double>>& verify,
+           const std::vector<std::vector<double>>& draft, double tolerance) {
+            if (!draft.empty() && draft.size() != verify.size())
+                throw py::value_error("need one list of draft timings per sweep, or none");
+            std::vector<CostSweep> sweeps;
+            for (size_t s = 0; s < verify.size(); ++s)
+                sweeps.push_back(
+                    CostSweep{verify[s], draft.empty() ? std::vector<double>{} : draft[s]});
+            CostCurve curve = estimate_costs(sweeps);
+            return py::make_tuple(curve.verify, curve.draft, costs_settled(sweeps, tolerance));
+        },
+        py::arg("verify"), py::arg("draft"), py::arg("tolerance") = 0.05,
+        "(verify costs, draft costs, settled) from sweeps of timings; see csrc/cost_curve.h.");
+
     // The sampling maths, exposed for unit tests.
     m.def("distribution", [](const std::vector<float>& logits, float temperature, int top_k,
                              float top_p, float min_p) {

@@ -15,15 +15,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Calibration: at least, at most this many sweeps over the batch sizes; more are taken while
+// one more still moves an estimate by over kCostsSettled, within the time budget.
+constexpr size_t kMinCostSweeps = 3, kMaxCostSweeps = 6;
+constexpr double kCostsSettled = 0.05;
+constexpr double kCalibrationBudgetSeconds = 5.0;
+
 double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// The middle sample (the upper one of an even count); `samples` is reordered.
-double median(std::vector<double>& samples) {
-    const auto mid = samples.begin() + static_cast<long>(samples.size() / 2);
-    std::nth_element(samples.begin(), mid, samples.end());
-    return *mid;
 }
 
 bool abort_requested(void* data) { return static_cast<std::atomic<bool>*>(data)->load(); }
@@ -339,24 +338,40 @@ std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_t
     model.clear_memory();
     Batch batch(std::max(static_cast<int>(context.size()), max_n));
     decode_sequence(model, batch, context, context.size(), false, 0);
-    const auto pos = static_cast<llama_pos>(context.size());
     // Whole sweeps over n, repeated: a slow spell on a shared machine then lands on every n
     // alike instead of inflating one n's cost (which the policy would never re-measure).
     std::vector<std::vector<double>> samples(static_cast<size_t>(max_n));
-    for (int r = 0; r < repeats; ++r) {
-        for (int n = 1; n <= max_n; ++n) {
-            batch.clear();
-            for (int i = 0; i < n; ++i)
-                batch.add(context[static_cast<size_t>(i) % context.size()], pos + i, true);
-            const auto start = Clock::now();
-            decode(model, batch);
-            samples[static_cast<size_t>(n - 1)].push_back(seconds_since(start));
-            model.forget_from(pos);
-        }
-    }
+    for (int r = 0; r < repeats; ++r)
+        for (int n = 1; n <= max_n; ++n)
+            samples[static_cast<size_t>(n - 1)].push_back(
+                time_decode_locked(model, batch, context, n));
     std::vector<double> costs;
-    for (auto& s : samples) costs.push_back(median(s));
+    for (auto& s : samples) costs.push_back(median(std::move(s)));
     return costs;
+}
+
+double Engine::time_decode_locked(Model& model, Batch& batch,
+                                  const std::vector<llama_token>& context, int n) {
+    const auto pos = static_cast<llama_pos>(context.size());
+    batch.clear();
+    for (int i = 0; i < n; ++i)
+        batch.add(context[static_cast<size_t>(i) % context.size()], pos + i, true);
+    const auto start = Clock::now();
+    decode(model, batch);
+    const double seconds = seconds_since(start);
+    model.forget_from(pos);
+    return seconds;
+}
+
+CostSweep Engine::cost_sweep_locked(const std::vector<llama_token>& context, int max_n,
+                                    Batch& batch) {
+    CostSweep sweep;
+    for (int n = 1; n <= max_n; ++n) {
+        sweep.verify.push_back(time_decode_locked(*target_, batch, context, n));
+        // A step's draft decodes one or two tokens at a time.
+        if (draft_ && n <= 2) sweep.draft.push_back(time_decode_locked(*draft_, batch, context, n));
+    }
+    return sweep;
 }
 
 void Engine::calibrate(const std::vector<llama_token>& context) {
@@ -383,13 +398,23 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
         std::min(AdaptivePolicy::Config{}.max_k + 1, n_ctx - static_cast<int>(ctx.size()));
     if (max_n < 2) return;  // no room to speculate; the policy stays uncalibrated
     const auto start = Clock::now();
-    measure_decode_cost_locked(ctx, 1, 1, *target_);  // warm-up: first decodes pay for setup
-    std::vector<double> verify = measure_decode_cost_locked(ctx, max_n, 3, *target_);
-    // A step's draft decodes one or two tokens at a time. An n-gram draft costs a few hash
-    // lookups: nothing next to a decode.
-    std::vector<double> draft =
-        draft_ ? measure_decode_cost_locked(ctx, 2, 3, *draft_) : std::vector<double>{0.0, 0.0};
-    policy_.calibrate(std::move(verify), std::move(draft), seconds_since(start));
+    Batch batch(std::max(static_cast<int>(ctx.size()), max_n));
+    for (Model* model : {target_.get(), draft_.get()}) {
+        if (!model) continue;  // an n-gram draft costs a few hash lookups: nothing next to a decode
+        model->clear_memory();
+        decode_sequence(*model, batch, ctx, ctx.size(), false, 0);
+        time_decode_locked(*model, batch, ctx, 1);  // warm-up: first decodes pay for setup
+    }
+    // Whole sweeps, both models in each, until one more finds no decode faster (a busy machine
+    // takes more), within a time budget: each estimate is a decode's fastest timing, and a
+    // sweep gives every n and both models a chance at the machine's quiet moments.
+    std::vector<CostSweep> sweeps;
+    while (sweeps.size() < kMinCostSweeps ||
+           (sweeps.size() < kMaxCostSweeps && !costs_settled(sweeps, kCostsSettled) &&
+            seconds_since(start) < kCalibrationBudgetSeconds))
+        sweeps.push_back(cost_sweep_locked(ctx, max_n, batch));
+    CostCurve curve = estimate_costs(sweeps);
+    policy_.calibrate(std::move(curve.verify), std::move(curve.draft), seconds_since(start));
 }
 
 GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text,

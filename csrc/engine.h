@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "batch.h"
+#include "cost_curve.h"
 #include "drafter.h"
 #include "model.h"
 #include "policy.h"
@@ -95,6 +96,11 @@ class Engine {
     std::vector<double> measure_decode_cost_locked(const std::vector<llama_token>& context,
                                                    int max_n, int repeats, Model& model);
     void calibrate_locked(const std::vector<llama_token>& context);
+    // Seconds for one decode of n tokens after `context`, which `model` holds; forgotten after.
+    double time_decode_locked(Model& model, Batch& batch, const std::vector<llama_token>& context,
+                              int n);
+    // Target decodes of 1..max_n tokens, each of 1 and 2 followed by the draft's of that size.
+    CostSweep cost_sweep_locked(const std::vector<llama_token>& context, int max_n, Batch& batch);
     void decode(Model& model, const Batch& batch);
     // Decodes tokens[0, end) at positions 0.. into an empty cache, `chunk` tokens per decode
     // (0: as many as the batch holds).
