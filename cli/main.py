@@ -156,8 +156,23 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True, type=int)
 @click.option("-t", "--threads", "n_threads", default=None, type=int)
 @click.option("-b", "--batch-size", "n_batch", default=512, show_default=True, type=int)
-@click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True, type=int)
-@click.option("-ngld", "--n-gpu-layers-draft", "draft_n_gpu_layers", default=None, type=int)
+@click.option(
+    "-ngl",
+    "--n-gpu-layers",
+    "n_gpu_layers",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Target layers on the GPU (-1: all).",
+)
+@click.option(
+    "-ngld",
+    "--n-gpu-layers-draft",
+    "draft_n_gpu_layers",
+    default=None,
+    type=int,
+    help="Draft layers on the GPU (default: as -ngl).",
+)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
 @click.option(
@@ -361,7 +376,15 @@ def _float_list(text: str) -> list[float]:
 @click.option("-r", "--repeats", default=3, show_default=True, type=int)
 @click.option("-c", "--ctx-size", "n_ctx", default=2048, show_default=True, type=int)
 @click.option("-t", "--threads", "n_threads", default=None, type=int)
-@click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True, type=int)
+@click.option(
+    "-ngl",
+    "--n-gpu-layers",
+    "n_gpu_layers",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Layers of both models on the GPU (-1: all).",
+)
 @click.option(
     "--json",
     "json_out",
