@@ -30,8 +30,8 @@ double fastest(const std::vector<double>& times) {
     return *std::min_element(times.begin(), times.end());
 }
 
-// The first `count` sweeps' estimates.
-CostCurve estimate_from(const std::vector<CostSweep>& sweeps, size_t count) {
+// The first `count` sweeps' fastest timings.
+CostCurve fastest_of(const std::vector<CostSweep>& sweeps, size_t count) {
     const CostSweep& first = sweeps.front();
     const auto column = [&](auto member, size_t n) {
         std::vector<double> times;
@@ -45,6 +45,15 @@ CostCurve estimate_from(const std::vector<CostSweep>& sweeps, size_t count) {
     for (size_t n = 0; n < first.draft.size(); ++n)
         curve.draft[n] = fastest(column(&CostSweep::draft, n));
     return curve;
+}
+
+// How much slower than its fastest a target decode typically ran.
+double typical_slowdown(const std::vector<CostSweep>& sweeps, const CostCurve& fastest) {
+    std::vector<double> slowdowns;
+    for (const CostSweep& s : sweeps)
+        for (size_t n = 0; n < s.verify.size(); ++n)
+            slowdowns.push_back(s.verify[n] / fastest.verify[n]);
+    return median(std::move(slowdowns));
 }
 
 bool close(const std::vector<double>& a, const std::vector<double>& b, double tolerance) {
@@ -65,13 +74,18 @@ CostCurve estimate_costs(const std::vector<CostSweep>& sweeps) {
         for (double t : s.draft)
             if (!std::isfinite(t) || t < 0.0)
                 throw std::invalid_argument("draft timings must be finite and >= 0");
-    return estimate_from(sweeps, sweeps.size());
+    CostCurve curve = fastest_of(sweeps, sweeps.size());
+    const double slowdown = typical_slowdown(sweeps, curve);
+    for (double& t : curve.verify) t *= slowdown;
+    for (double& t : curve.draft) t *= slowdown;
+    return curve;
 }
 
 bool costs_settled(const std::vector<CostSweep>& sweeps, double tolerance) {
     if (sweeps.size() < 2) return false;
-    const CostCurve all = estimate_costs(sweeps);
-    const CostCurve fewer = estimate_from(sweeps, sweeps.size() - 1);
+    estimate_costs(sweeps);  // checks the timings
+    const CostCurve all = fastest_of(sweeps, sweeps.size());
+    const CostCurve fewer = fastest_of(sweeps, sweeps.size() - 1);
     return close(all.verify, fewer.verify, tolerance) && close(all.draft, fewer.draft, tolerance);
 }
 

@@ -21,17 +21,19 @@ struct CostCurve {
 // The middle sample (the upper one of an even count). Throws std::invalid_argument when empty.
 double median(std::vector<double> samples);
 
-// Each cost is the fastest of its timings: other work on the machine only ever adds time, and
-// adds it unevenly, so medians of a few timings on a busy machine can make a model drafting
-// for itself look cheaper than itself (docs/adaptive.md, "Calibrating on a busy machine").
-// The policy goes on tracking the costs of the K it uses while it runs. Without draft timings
-// the draft costs nothing (an n-gram drafter). Throws std::invalid_argument for no sweeps,
-// sweeps of different shapes, and timings that are not finite, not positive (target) or
-// negative (draft).
+// Each cost is the fastest of its timings times one factor for all: how much slower than their
+// fastest the target's timings typically were. Fastest timings give the curve's shape and the
+// draft's cost next to the target's: other work on the machine only ever adds time, and adds
+// it unevenly, so medians of a few timings on a busy machine can make a model drafting for
+// itself look cheaper than itself (docs/adaptive.md, "Calibrating on a busy machine"). The
+// common factor keeps those ratios and makes the costs typical ones, like those the policy
+// tracks from its steps while it runs. Without draft timings the draft costs nothing (an
+// n-gram drafter). Throws std::invalid_argument for no sweeps, sweeps of different shapes,
+// and timings that are not finite, not positive (target) or negative (draft).
 CostCurve estimate_costs(const std::vector<CostSweep>& sweeps);
 
 // Whether more sweeps are unlikely to change the estimates: leaving the last sweep out moves
-// none of them by more than `tolerance` (relative). Never with fewer than two sweeps.
+// no fastest timing by more than `tolerance` (relative). Never with fewer than two sweeps.
 bool costs_settled(const std::vector<CostSweep>& sweeps, double tolerance);
 
 }  // namespace specdec
