@@ -19,8 +19,11 @@ void check_shapes(const std::vector<CostSweep>& sweeps) {
     if (sweeps.empty()) throw std::invalid_argument("no cost sweeps");
     const CostSweep& first = sweeps.front();
     if (first.verify.empty()) throw std::invalid_argument("a cost sweep without target timings");
-    if (!first.draft.empty() && first.draft.size() > first.verify.size())
-        throw std::invalid_argument("more draft timings than target timings in a cost sweep");
+    if (!first.draft.empty() && first.draft.size() != 2)
+        throw std::invalid_argument("a cost sweep needs draft timings for 1 and 2 tokens, or none");
+    if (!first.draft.empty() && first.verify.size() < 2)
+        throw std::invalid_argument(
+            "a cost sweep with draft timings needs target timings for 1 and 2 tokens");
     for (const CostSweep& s : sweeps)
         if (s.verify.size() != first.verify.size() || s.draft.size() != first.draft.size())
             throw std::invalid_argument("cost sweeps of different shapes");

@@ -80,6 +80,8 @@ def test_without_draft_timings_drafting_costs_nothing() -> None:
         ([[0.01, 0.0]], []),
         ([[0.01, float("nan")]], []),
         ([TRUE_VERIFY], [[0.001, -1.0]]),
+        ([TRUE_VERIFY], [[0.001]]),
+        ([TRUE_VERIFY[:1]], [[0.001, 0.002]]),
     ],
 )
 def test_malformed_sweeps_are_rejected(verify: list[list[float]], draft: list[list[float]]) -> None:
