@@ -45,6 +45,19 @@ def cli() -> None:
     """Speculative decoding for GGUF models on llama.cpp."""
 
 
+def gpu_layers_option(help_text: str) -> Callable[[F], F]:
+    """-ngl: how many layers llama.cpp offloads (-1: all; 99 falls short of a deep model)."""
+    return click.option(
+        "-ngl",
+        "--n-gpu-layers",
+        "n_gpu_layers",
+        default=0,
+        show_default=True,
+        type=int,
+        help=help_text,
+    )
+
+
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("give either -p or -f, not both")
@@ -156,15 +169,7 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True, type=int)
 @click.option("-t", "--threads", "n_threads", default=None, type=int)
 @click.option("-b", "--batch-size", "n_batch", default=512, show_default=True, type=int)
-@click.option(
-    "-ngl",
-    "--n-gpu-layers",
-    "n_gpu_layers",
-    default=0,
-    show_default=True,
-    type=int,
-    help="Target layers on the GPU (-1: all).",
-)
+@gpu_layers_option("Target layers on the GPU (-1: all).")
 @click.option(
     "-ngld",
     "--n-gpu-layers-draft",
@@ -376,15 +381,7 @@ def _float_list(text: str) -> list[float]:
 @click.option("-r", "--repeats", default=3, show_default=True, type=int)
 @click.option("-c", "--ctx-size", "n_ctx", default=2048, show_default=True, type=int)
 @click.option("-t", "--threads", "n_threads", default=None, type=int)
-@click.option(
-    "-ngl",
-    "--n-gpu-layers",
-    "n_gpu_layers",
-    default=0,
-    show_default=True,
-    type=int,
-    help="Layers of both models on the GPU (-1: all).",
-)
+@gpu_layers_option("Layers of both models on the GPU (-1: all).")
 @click.option(
     "--json",
     "json_out",
