@@ -15,7 +15,7 @@ double median(std::vector<double> samples) {
 
 namespace {
 
-void check_shapes(const std::vector<CostSweep>& sweeps) {
+void check_timings(const std::vector<CostSweep>& sweeps) {
     if (sweeps.empty()) throw std::invalid_argument("no cost sweeps");
     const CostSweep& first = sweeps.front();
     if (first.verify.empty()) throw std::invalid_argument("a cost sweep without target timings");
@@ -27,6 +27,14 @@ void check_shapes(const std::vector<CostSweep>& sweeps) {
     for (const CostSweep& s : sweeps)
         if (s.verify.size() != first.verify.size() || s.draft.size() != first.draft.size())
             throw std::invalid_argument("cost sweeps of different shapes");
+    for (const CostSweep& s : sweeps)
+        for (double t : s.verify)
+            if (!std::isfinite(t) || t <= 0.0)
+                throw std::invalid_argument("target timings must be finite and > 0");
+    for (const CostSweep& s : sweeps)
+        for (double t : s.draft)
+            if (!std::isfinite(t) || t < 0.0)
+                throw std::invalid_argument("draft timings must be finite and >= 0");
 }
 
 double fastest(const std::vector<double>& times) {
@@ -68,15 +76,7 @@ bool close(const std::vector<double>& a, const std::vector<double>& b, double to
 }  // namespace
 
 CostCurve estimate_costs(const std::vector<CostSweep>& sweeps) {
-    check_shapes(sweeps);
-    for (const CostSweep& s : sweeps)
-        for (double t : s.verify)
-            if (!std::isfinite(t) || t <= 0.0)
-                throw std::invalid_argument("target timings must be finite and > 0");
-    for (const CostSweep& s : sweeps)
-        for (double t : s.draft)
-            if (!std::isfinite(t) || t < 0.0)
-                throw std::invalid_argument("draft timings must be finite and >= 0");
+    check_timings(sweeps);
     CostCurve curve = fastest_of(sweeps, sweeps.size());
     const double slowdown = typical_slowdown(sweeps, curve);
     for (double& t : curve.verify) t *= slowdown;
@@ -86,7 +86,7 @@ CostCurve estimate_costs(const std::vector<CostSweep>& sweeps) {
 
 bool costs_settled(const std::vector<CostSweep>& sweeps, double tolerance) {
     if (sweeps.size() < 2) return false;
-    estimate_costs(sweeps);  // checks the timings
+    check_timings(sweeps);
     const CostCurve all = fastest_of(sweeps, sweeps.size());
     const CostCurve fewer = fastest_of(sweeps, sweeps.size() - 1);
     return close(all.verify, fewer.verify, tolerance) && close(all.draft, fewer.draft, tolerance);

@@ -406,8 +406,8 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
         time_decode_locked(*model, batch, ctx, 1);  // warm-up: first decodes pay for setup
     }
     // Whole sweeps, both models in each, until one more finds no decode faster (a busy machine
-    // takes more), within a time budget: each estimate is a decode's fastest timing, and a
-    // sweep gives every n and both models a chance at the machine's quiet moments.
+    // takes more), within a time budget: the estimates rest on each decode's fastest timing,
+    // and a sweep gives every n and both models a chance at the machine's quiet moments.
     std::vector<CostSweep> sweeps;
     while (sweeps.size() < kMinCostSweeps ||
            (sweeps.size() < kMaxCostSweeps && !costs_settled(sweeps, kCostsSettled) &&
