@@ -3,6 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "engine.h"
 #include "errors.h"
 #include "logging.h"
@@ -55,6 +60,15 @@ ModelParams model_params(const std::string& path, int n_gpu_layers, int n_ctx, i
     p.n_batch = n_batch;
     p.n_threads = n_threads;
     return p;
+}
+
+// A distribution from dense probabilities, its support the nonzero ones (for the maths' tests).
+Distribution dense_distribution(const std::vector<float>& probs) {
+    Distribution d;
+    d.probs = probs;
+    for (size_t i = 0; i < probs.size(); ++i)
+        if (probs[i] > 0) d.support.push_back(static_cast<int32_t>(i));
+    return d;
 }
 
 void require_calibrated(const AdaptivePolicy& p) {
@@ -153,16 +167,29 @@ PYBIND11_MODULE(_core, m) {
         .def(
             "observe",
             [](AdaptivePolicy& p, int k, int n_accepted, double t_draft, double t_verify,
-               int caught_up, double t_catch_up) {
+               int caught_up, double t_catch_up,
+               const std::optional<std::vector<double>>& accept_chance) {
                 require_calibrated(p);
                 if (k < 0 || k > p.max_k() || n_accepted < 0 || n_accepted > k)
                     throw py::value_error("need 0 <= n_accepted <= k <= max_k");
                 if (caught_up < 0 || t_catch_up < 0.0 || t_catch_up > t_draft)
                     throw py::value_error("need caught_up >= 0 and 0 <= t_catch_up <= t_draft");
-                p.observe(StepOutcome{k, n_accepted, t_draft, t_verify, caught_up, t_catch_up});
+                StepOutcome step{k, n_accepted, t_draft, t_verify, caught_up, t_catch_up};
+                if (accept_chance) {
+                    const auto reached = static_cast<size_t>(std::min(k, n_accepted + 1));
+                    if (accept_chance->size() != reached)
+                        throw py::value_error("need one accept_chance per position reached, " +
+                                              std::to_string(reached));
+                    for (double c : *accept_chance)
+                        if (!(c >= 0.0 && c <= 1.0))
+                            throw py::value_error("accept_chance values must be in [0, 1]");
+                    step.accept_chance = &*accept_chance;
+                }
+                p.observe(step);
             },
             py::arg("k"), py::arg("n_accepted"), py::arg("t_draft"), py::arg("t_verify"),
-            py::arg("caught_up") = 0, py::arg("t_catch_up") = 0.0)
+            py::arg("caught_up") = 0, py::arg("t_catch_up") = 0.0,
+            py::arg("accept_chance") = py::none())
         .def("acceptance", &AdaptivePolicy::acceptance)
         .def(
             "expected_rates",
@@ -335,16 +362,14 @@ PYBIND11_MODULE(_core, m) {
         return d.probs;
     });
     m.def("acceptance_probability", &acceptance_probability);
+    m.def("acceptance_chance", [](const std::vector<float>& p, const std::vector<float>& q) {
+        if (p.size() != q.size()) throw py::value_error("p and q need the same length");
+        return acceptance_chance(dense_distribution(p), dense_distribution(q));
+    });
     m.def("sample_residual_counts",
           [](const std::vector<float>& p, const std::vector<float>& q, int n, uint64_t seed) {
               // Draws n samples from norm(max(0, p - q)) and counts them per id.
-              Distribution dp, dq;
-              dp.probs = p;
-              dq.probs = q;
-              for (size_t i = 0; i < p.size(); ++i)
-                  if (p[i] > 0) dp.support.push_back(static_cast<int32_t>(i));
-              for (size_t i = 0; i < q.size(); ++i)
-                  if (q[i] > 0) dq.support.push_back(static_cast<int32_t>(i));
+              const Distribution dp = dense_distribution(p), dq = dense_distribution(q);
               Rng rng(seed);
               std::vector<int> counts(p.size(), 0);
               for (int i = 0; i < n; ++i)

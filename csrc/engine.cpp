@@ -128,9 +128,14 @@ class Generation {
         verify();
         const int n_accepted = accept_and_commit();
         if (adaptive_) {
-            e_.policy_.observe(StepOutcome{static_cast<int>(draft_.tokens.size()), n_accepted,
-                                           stats().t_draft - t_draft, stats().t_verify - t_verify,
-                                           draft_.caught_up, draft_.t_catch_up});
+            StepOutcome outcome{static_cast<int>(draft_.tokens.size()),
+                                n_accepted,
+                                stats().t_draft - t_draft,
+                                stats().t_verify - t_verify,
+                                draft_.caught_up,
+                                draft_.t_catch_up};
+            if (!req_.sampling.greedy()) outcome.accept_chance = &accept_chances_;
+            e_.policy_.observe(outcome);
         }
         // Positions at or past the first rejected draft hold keys/values of tokens that were
         // not committed.
@@ -185,6 +190,7 @@ class Generation {
         const size_t k = draft_.tokens.size();
         step_tokens_.clear();
         step_margins_.clear();
+        accept_chances_.clear();
         size_t i = 0;
         for (; i < k; ++i) {
             const llama_token x = draft_.tokens[i];
@@ -216,6 +222,7 @@ class Generation {
     llama_token sampled_verdict(size_t row, llama_token x) {
         const Distribution& p = target_distribution(row);
         const Distribution* q = draft_.q[row];
+        accept_chances_.push_back(q ? acceptance_chance(p, *q) : double(p[x]));
         const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
         if (ok) return x;
         if (req_.wrong_residual_for_tests) return sample(p, rng_);
@@ -265,6 +272,7 @@ class Generation {
     Draft draft_;
     std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
     std::vector<float> step_margins_;
+    std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
     Distribution p_;
     SamplingWorkspace workspace_;
     GenerationResult result_;

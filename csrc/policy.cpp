@@ -102,8 +102,11 @@ void AdaptivePolicy::begin_generation() {
     // this text's own first steps decide.
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);
     // If this text starts in fallback, probe it now, and then not again soon: that fallback
-    // comes from a whole request's evidence, not from a few unlucky steps.
-    probe_interval_ = config_.close_call_probe_interval;
+    // comes from a whole request's evidence, not from a few unlucky steps. A wait that has grown
+    // longer than that (probes failing request after request) is kept: each probe after a long
+    // fallback makes the draft catch up on every token it skipped, about 4 % of a target step
+    // per token on this CPU, whether the probe pays or not.
+    probe_interval_ = std::max(probe_interval_, config_.close_call_probe_interval);
     steps_since_probe_ = probe_interval_ - 1;
     probing_ = probe_again_ = false;
 }
@@ -140,11 +143,10 @@ double AdaptivePolicy::step_cost(int k, double all_accepted) const {
     return k * d1 + all_accepted * (d2 - d1) + verify;
 }
 
-bool AdaptivePolicy::probe_paid(int k, int n_accepted) const {
+bool AdaptivePolicy::probe_paid(int k, Yield yield) const {
     // Costs as modelled rather than as measured: a probe's draft first catches up on every
     // token committed while falling back, a cost of having fallen back, not of drafting.
-    const double all_accepted = n_accepted == k ? 1.0 : 0.0;
-    return (n_accepted + 1) / step_cost(k, all_accepted) > 1.0 / verify_cost_[0];
+    return (yield.accepted + 1.0) / step_cost(k, yield.all_accepted) > 1.0 / verify_cost_[0];
 }
 
 int AdaptivePolicy::probe_k(int cap) const {
@@ -250,17 +252,38 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     return 0;
 }
 
-void AdaptivePolicy::decide_on_probe(int k, int n_accepted) {
+AdaptivePolicy::Yield AdaptivePolicy::yield_of(const StepOutcome& step, int m) {
+    if (!step.accept_chance) {
+        const int accepted = std::min(step.n_accepted, m);
+        return {static_cast<double>(accepted), accepted == m ? 1.0 : 0.0};
+    }
+    // When sampling, a probe is judged by what it could expect at this spot of the text, not by
+    // its one draw: where each position is accepted with chance 0.6 (T = 0.8 on the layer-skip
+    // pair, where drafting loses), a K = 3 probe still accepts two or more tokens one time in
+    // three, and each such probe would keep the probes coming. Positions past the first
+    // rejection have no chance measured; they count as no tokens.
+    const auto& chance = *step.accept_chance;
+    double all_accepted = 1.0, accepted = 0.0;
+    for (size_t i = 0; i < std::min(chance.size(), static_cast<size_t>(m)); ++i) {
+        all_accepted *= chance[i];
+        accepted += all_accepted;
+    }
+    return {accepted, all_accepted};
+}
+
+void AdaptivePolicy::decide_on_probe(const StepOutcome& step) {
     probe_again_ = false;
     probe_again_k_ = 0;
+    const int k = step.k, n_accepted = step.n_accepted;
     if (!probing_ || k == 0) return;
     // A probe that paid (committed tokens faster than the target alone would have) is followed
     // by another, of the K the estimates now favour: the text may have turned easier, and one
     // probe's evidence is too little to bring drafting back on its own.
-    if (probe_paid(k, n_accepted)) {
+    if (probe_paid(k, yield_of(step, k))) {
         probe_again_ = true;
         probes_paid_ = true;
-    } else if (n_accepted > 0 && n_accepted < k && probe_paid(n_accepted, n_accepted)) {
+    } else if (n_accepted > 0 && n_accepted < k &&
+               probe_paid(n_accepted, yield_of(step, n_accepted))) {
         // Its accepted prefix alone, as a whole accepted draft, would have paid: probe that
         // length. Where the draft is right at position 1 and wrong at 2, probes of the prior's
         // K never pay, and ones of K = 1 do.
@@ -284,10 +307,13 @@ void AdaptivePolicy::observe(const StepOutcome& step) {
         const auto at = static_cast<size_t>(i);
         ++tried_[at];
         tries_[at] += 1.0;
-        if (i < n_accepted) accepts_[at] += 1.0;
+        if (step.accept_chance)
+            accepts_[at] += (*step.accept_chance)[at];
+        else if (i < n_accepted)
+            accepts_[at] += 1.0;
     }
     if (!calibrated()) return;
-    decide_on_probe(k, n_accepted);
+    decide_on_probe(step);
     if (step.caught_up == 1 || step.caught_up == 2)
         track_cost(draft_cost_[static_cast<size_t>(step.caught_up - 1)], step.t_catch_up);
     // After catching up, each draft token but the last is decoded on its own.

@@ -14,6 +14,10 @@ struct StepOutcome {
     double t_verify = 0.0;    // seconds: the target's decode of k + 1 tokens
     int caught_up = 0;        // tokens the draft decoded to catch up before drafting
     double t_catch_up = 0.0;  // seconds that took
+    // When sampling: for each position the step reached (min(k, n_accepted + 1) of them), the
+    // chance it had of being accepted. Null: learn from the outcomes (greedy, where the chance is
+    // the outcome).
+    const std::vector<double>* accept_chance = nullptr;
 };
 
 // Picks K to maximise expected committed tokens per second,
@@ -28,6 +32,10 @@ struct StepOutcome {
 //     t_draft(K) = K * d1 + P(all K accepted) * (d2 - d1)
 // with d1 and d2 the costs of a one- and a two-token draft decode. (A single cost per draft
 // token, K * d, tracked from whole steps, reads high at K = 1 and low at large K.)
+//
+// When sampling, each position's evidence is its chance of acceptance rather than the one
+// accept/reject draw: at T = 0.8 a draw is nearly a coin flip, and the estimates, and so K, would
+// follow its noise.
 //
 // Acceptance evidence fades (down to a floor) with every drafting step that reaches its
 // position, and all of it with every step without a draft: while the policy falls back to the
@@ -89,10 +97,17 @@ class AdaptivePolicy {
     // Scales position i's evidence down to `weight` tries, keeping its acceptance estimate.
     void fade_to(size_t i, double weight);
     int probe_k(int cap) const;
-    // Whether a probe of k tokens with n accepted committed tokens faster than target-only.
-    bool probe_paid(int k, int n_accepted) const;
+    // What a step's first m draft positions yielded: the tokens accepted there and whether all m
+    // were (1 or 0); when sampling, what it could expect at that spot of the text instead.
+    struct Yield {
+        double accepted;
+        double all_accepted;
+    };
+    static Yield yield_of(const StepOutcome& step, int m);
+    // Whether a draft of k tokens with this yield commits tokens faster than target-only.
+    bool probe_paid(int k, Yield yield) const;
     // After a step: whether it was a probe that calls for another, and of which K.
-    void decide_on_probe(int k, int n_accepted);
+    void decide_on_probe(const StepOutcome& step);
 
     // For position i+1: decayed counts of tries and of acceptances (each given that the
     // positions before it were accepted); their ratio is the acceptance estimate.

@@ -159,6 +159,12 @@ double acceptance_probability(float p_x, float q_x) {
     return std::min(1.0, static_cast<double>(p_x) / static_cast<double>(q_x));
 }
 
+double acceptance_chance(const Distribution& p, const Distribution& q) {
+    double total = 0.0;
+    for (int32_t id : q.support) total += std::min(double(p[id]), double(q[id]));
+    return std::min(total, 1.0);
+}
+
 bool accept_draft(const Distribution& p, const Distribution& q, int32_t x, Rng& rng) {
     return rng.uniform() < acceptance_probability(p[x], q[x]);
 }

@@ -69,6 +69,11 @@ int32_t sample(const Distribution& dist, Rng& rng);
 // min(1, p(x)/q(x)); q(x) = 0 cannot happen for a token drafted from q, and is treated as reject.
 double acceptance_probability(float p_x, float q_x);
 
+// The chance a draft drawn from q is accepted, before the draw: sum over x of min(p(x), q(x)),
+// which is 1 - the residual's mass. The policy learns from this rather than from the one
+// accept/reject outcome: the same mean, with far less noise.
+double acceptance_chance(const Distribution& p, const Distribution& q);
+
 // Accepts draft token x, drawn from q, with probability min(1, p(x)/q(x)).
 bool accept_draft(const Distribution& p, const Distribution& q, int32_t x, Rng& rng);
 // The same for a point-mass draft (q = 1 on x, as an n-gram draft is): accepts with p(x).

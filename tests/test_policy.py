@@ -164,6 +164,62 @@ def _waits(ks: list[int]) -> list[int]:
     return waits or [0]
 
 
+def _probe_after_fallback(p: _core.AdaptivePolicy) -> int:
+    """Runs target-only steps until the policy probes; returns the probe's K."""
+    for _ in range(300):
+        k, _why = p.choose(10)
+        if k > 0:
+            return k
+        observe(p, 0, 0)
+    raise AssertionError("no probe in 300 steps")
+
+
+@pytest.mark.parametrize("learn_from_chance", [False, True])
+def test_a_sampled_probe_is_judged_by_its_chance_not_its_draw(learn_from_chance: bool) -> None:
+    # Fallen back on a text the draft gets wrong, then a probe whose three tokens all happen to
+    # be accepted although each had only a 0.3 chance. Judged by the draw it paid and calls for
+    # another probe at once; judged by the chance (0.3 + 0.09 + 0.03 expected tokens) it did not.
+    p = policy()
+    run(p, 40, accepted_run=0)
+    k = _probe_after_fallback(p)
+    assert k == 3
+    chances = [0.3, 0.3, 0.3] if learn_from_chance else None
+    p.observe(3, 3, D1 + 2 * D1, VERIFY[3], 1, D1, chances)
+    next_k, _why = p.choose(10)
+    assert (next_k == 0) == learn_from_chance
+
+
+@pytest.mark.parametrize("learn_from_chance", [False, True])
+def test_a_sampled_probe_prefix_is_judged_by_its_chance_too(learn_from_chance: bool) -> None:
+    # A K = 3 probe with its first token accepted (chance 0.55) and its second rejected. As a
+    # draw, a whole accepted draft of one token would have paid, so a K = 1 probe follows. By
+    # its chance it would not have: 1.55 expected tokens for a draft and a 2-token verify is
+    # slower than the target alone. (Rounding the expectation to whole tokens made every K = 1
+    # probe at chance 0.5 or more look paid.)
+    p = policy()
+    run(p, 40, accepted_run=0)
+    assert _probe_after_fallback(p) == 3
+    chances = [0.55, 0.4] if learn_from_chance else None
+    p.observe(3, 1, D1 + 2 * D1, VERIFY[3], 1, D1, chances)
+    next_k, _why = p.choose(10)
+    assert next_k == (0 if learn_from_chance else 1)
+
+
+def test_a_long_wait_between_probes_carries_over_to_the_next_request() -> None:
+    # Probes have failed for long enough that the wait between them has grown past 16 steps.
+    # A new request is probed at once (its text may be easier); when that probe fails too,
+    # the next waits as long as before, not 16 steps: each probe after a long fallback costs a
+    # catch-up of every skipped token.
+    p = policy()
+    ks = run(p, 200, accepted_run=0)
+    assert max(_waits(ks)) >= 32
+    p.begin_generation()
+    ks = run(p, 100, accepted_run=0)
+    assert ks[0] > 0
+    next_probe = next((i for i in range(1, len(ks)) if ks[i] > 0), len(ks))
+    assert next_probe - 1 >= 32
+
+
 def test_settles_on_the_k_the_text_supports() -> None:
     # Position 1 always right, position 2 never (the chat case in docs/benchmarks.md).
     ks = run(policy(), 80, accepted_run=1)
@@ -209,6 +265,41 @@ def test_estimates_track_the_measured_rate() -> None:
     assert 0.75 < a1 < 0.98  # evidence, not the prior (0.7), decides
 
 
+def sampled_close_call(seed: int, learn_from_chance: bool) -> tuple[int, float]:
+    """300 steps on a sampled text where every position is accepted with chance 0.65, where
+    K = 0, 1 and 3 are all within a few percent of each other. Returns how often K changed and
+    the mean position-1 estimate after the first 50 steps."""
+    rng = random.Random(seed)
+    p = policy()
+    ks, estimates = [], []
+    whole = False
+    for _ in range(300):
+        k, _why = p.choose(10)
+        n = 0
+        while n < k and rng.random() < 0.65:
+            n += 1
+        catch_up = (2, D2) if whole else (1, D1)
+        t_draft = catch_up[1] + (k - 1) * D1 if k > 0 else 0.0
+        chances = [0.65] * min(k, n + 1) if learn_from_chance else None
+        p.observe(k, n, t_draft, VERIFY[k], *(catch_up if k > 0 else (0, 0.0)), chances)
+        whole = k > 0 and n == k
+        ks.append(k)
+        estimates.append(p.acceptance()[0])
+    return sum(a != b for a, b in zip(ks, ks[1:])), sum(estimates[50:]) / 250
+
+
+def test_when_sampling_estimates_follow_the_chance_of_acceptance_not_the_draw() -> None:
+    # Learning from each draw, the estimates follow its noise and K swings between drafting and
+    # falling back; every switch back costs a catch-up and a probe.
+    from_draws = [sampled_close_call(seed, False) for seed in range(5)]
+    assert sum(switches for switches, _ in from_draws) >= 25
+    # Learning from the chance the draw had (its mean, without the noise), K settles.
+    for seed in range(5):
+        switches, estimate = sampled_close_call(seed, True)
+        assert switches <= 2
+        assert estimate == pytest.approx(0.65, abs=0.02)
+
+
 def test_a_new_request_keeps_only_a_hint_of_the_last() -> None:
     def drop_after_one_rejection(new_request: bool) -> float:
         p = policy()
@@ -244,5 +335,9 @@ def test_rejects_bad_input() -> None:
         p.observe(11, 0, 0.0, 0.0)
     with pytest.raises(ValueError, match="t_catch_up"):
         p.observe(3, 0, D1, VERIFY[3], 1, 2 * D1)
+    with pytest.raises(ValueError, match="one accept_chance per position reached, 2"):
+        p.observe(3, 1, D1, VERIFY[3], 1, D1, [0.5])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        p.observe(3, 0, D1, VERIFY[3], 1, D1, [1.5])
     with pytest.raises(ValueError, match="max_k"):
         _core.AdaptivePolicy(0)

@@ -55,6 +55,16 @@ def test_acceptance_probability() -> None:
     assert _core.acceptance_probability(0.3, 0.0) == 0.0  # never drafted: never accepted
 
 
+def test_acceptance_chance_is_the_overlap_of_p_and_q() -> None:
+    p = [0.5, 0.3, 0.2, 0.0]
+    q = [0.2, 0.5, 0.1, 0.2]
+    assert _core.acceptance_chance(p, q) == pytest.approx(0.2 + 0.3 + 0.1)
+    assert _core.acceptance_chance(p, p) == pytest.approx(1.0)
+    assert _core.acceptance_chance([1.0, 0.0], [0.0, 1.0]) == 0.0
+    with pytest.raises(ValueError, match="same length"):
+        _core.acceptance_chance(p, q[:3])
+
+
 def test_residual_is_normalised_positive_part() -> None:
     p = np.array([0.5, 0.3, 0.2, 0.0])
     q = np.array([0.2, 0.5, 0.1, 0.2])
@@ -79,7 +89,9 @@ def test_whole_rule_reproduces_p() -> None:
     residual = np.asarray(_core.sample_residual_counts(p.tolist(), q.tolist(), n_rej, 11))
     out = np.bincount(drafts[accepted], minlength=4) + residual
     assert st.chisquare(out, p * n).pvalue > 1e-3
-    assert math.isclose(accepted.mean(), np.minimum(p, q).sum(), abs_tol=0.01)
+    assert math.isclose(
+        accepted.mean(), _core.acceptance_chance(p.tolist(), q.tolist()), abs_tol=0.01
+    )
 
 
 @pytest.mark.parametrize(
