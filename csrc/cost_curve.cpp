@@ -24,17 +24,16 @@ void check_timings(const std::vector<CostSweep>& sweeps) {
     if (!first.draft.empty() && first.verify.size() < 2)
         throw std::invalid_argument(
             "a cost sweep with draft timings needs target timings for 1 and 2 tokens");
-    for (const CostSweep& s : sweeps)
+    for (const CostSweep& s : sweeps) {
         if (s.verify.size() != first.verify.size() || s.draft.size() != first.draft.size())
             throw std::invalid_argument("cost sweeps of different shapes");
-    for (const CostSweep& s : sweeps)
         for (double t : s.verify)
             if (!std::isfinite(t) || t <= 0.0)
                 throw std::invalid_argument("target timings must be finite and > 0");
-    for (const CostSweep& s : sweeps)
         for (double t : s.draft)
             if (!std::isfinite(t) || t < 0.0)
                 throw std::invalid_argument("draft timings must be finite and >= 0");
+    }
 }
 
 double fastest(const std::vector<double>& times) {

@@ -222,7 +222,8 @@ class Generation {
     llama_token sampled_verdict(size_t row, llama_token x) {
         const Distribution& p = target_distribution(row);
         const Distribution* q = draft_.q[row];
-        accept_chances_.push_back(q ? acceptance_chance(p, *q) : double(p[x]));
+        // Only the adaptive policy reads it, and it is a pass over q's support per position.
+        if (adaptive_) accept_chances_.push_back(q ? acceptance_chance(p, *q) : double(p[x]));
         const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
         if (ok) return x;
         if (req_.wrong_residual_for_tests) return sample(p, rng_);
