@@ -29,17 +29,17 @@ class Batch {
 };
 
 // Decodes tokens[from, to) at positions first_pos.. in batches of at most `chunk` tokens (0: as
-// many as `batch` holds), logits on the last token when asked. `decode(batch)` runs each one.
+// many as `batch` holds), logits on tokens[logits_from..] (`to - 1`: the last only; `to`: none).
+// `decode(batch)` runs each one.
 template <typename Decode>
 void decode_in_chunks(Batch& batch, const std::vector<llama_token>& tokens, size_t from, size_t to,
-                      llama_pos first_pos, bool logits_on_last, size_t chunk, Decode&& decode) {
+                      llama_pos first_pos, size_t logits_from, size_t chunk, Decode&& decode) {
     if (chunk == 0) chunk = static_cast<size_t>(batch.capacity());
     for (size_t start = from; start < to; start += chunk) {
         const size_t stop = std::min(to, start + chunk);
         batch.clear();
         for (size_t i = start; i < stop; ++i)
-            batch.add(tokens[i], first_pos + static_cast<llama_pos>(i - from),
-                      logits_on_last && i + 1 == to);
+            batch.add(tokens[i], first_pos + static_cast<llama_pos>(i - from), i >= logits_from);
         decode(batch);
     }
 }

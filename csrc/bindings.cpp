@@ -37,6 +37,7 @@ py::dict stats_dict(const Stats& s) {
     d["n_speculative_steps"] = s.n_speculative_steps;
     d["n_fallback_steps"] = s.n_fallback_steps;
     d["fallback_reason"] = s.fallback_reason;
+    d["n_look_backs"] = s.n_look_backs;
     d["steps_at_k"] = s.steps_at_k;
     d["drafted_by_model"] = s.drafted_by[0];
     d["accepted_by_model"] = s.accepted_by[0];
@@ -141,12 +142,14 @@ PYBIND11_MODULE(_core, m) {
 
     // The policy alone, for tests of its rules: pure arithmetic on costs and outcomes.
     py::class_<AdaptivePolicy>(m, "AdaptivePolicy")
-        .def(py::init([](int max_k) {
+        .def(py::init([](int max_k, bool look_back) {
                  AdaptivePolicy::Config config;
                  config.max_k = max_k;
+                 config.look_back = look_back;
                  return AdaptivePolicy(config);
              }),
-             py::arg("max_k") = 10)
+             py::arg("max_k") = 10, py::arg("look_back") = false)
+        .def_readonly_static("LOOK_BACK", &AdaptivePolicy::kLookBack)
         .def(
             "calibrate",
             [](AdaptivePolicy& p, std::vector<double> verify_costs,
@@ -190,6 +193,7 @@ PYBIND11_MODULE(_core, m) {
             py::arg("k"), py::arg("n_accepted"), py::arg("t_draft"), py::arg("t_verify"),
             py::arg("caught_up") = 0, py::arg("t_catch_up") = 0.0,
             py::arg("accept_chance") = py::none())
+        .def("observe_hindsight", &AdaptivePolicy::observe_hindsight, py::arg("chance"))
         .def("acceptance", &AdaptivePolicy::acceptance)
         .def(
             "expected_rates",
@@ -366,6 +370,17 @@ PYBIND11_MODULE(_core, m) {
         if (p.size() != q.size()) throw py::value_error("p and q need the same length");
         return acceptance_chance(dense_distribution(p), dense_distribution(q));
     });
+    m.def(
+        "hindsight_chance",
+        [](const std::vector<float>& p, const std::vector<float>& q, int32_t x, float min_prob) {
+            if (p.size() != q.size()) throw py::value_error("p and q need the same length");
+            if (x < 0 || static_cast<size_t>(x) >= p.size())
+                throw py::value_error("x is outside the vocabulary");
+            DrawnFrom drawn;
+            remember_draw(dense_distribution(p), x, min_prob, drawn);
+            return hindsight_chance(drawn, dense_distribution(q));
+        },
+        py::arg("p"), py::arg("q"), py::arg("x"), py::arg("min_prob"));
     m.def("sample_residual_counts",
           [](const std::vector<float>& p, const std::vector<float>& q, int n, uint64_t seed) {
               // Draws n samples from norm(max(0, p - q)) and counts them per id.

@@ -1,6 +1,8 @@
 // What the engine needs from anything that proposes draft tokens.
 #pragma once
 
+#include <cstddef>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -24,6 +26,10 @@ struct Draft {
     double t_catch_up = 0.0;  // seconds the catching up took
 };
 
+// Receives, for token t of the committed text, the draft's logits for the token after
+// committed[0..t): what it would have drafted there.
+using HindsightFn = std::function<void(size_t t, const float* logits)>;
+
 class Drafter {
   public:
     virtual ~Drafter() = default;
@@ -36,6 +42,12 @@ class Drafter {
     // token is below p_min.
     virtual void propose(const std::vector<llama_token>& committed, int k, float p_min,
                          const SamplingParams& sampling, Rng& rng, Draft& out) = 0;
+    // Whether look_back() works: a model drafter's catch-up yields its logits for free.
+    virtual bool can_look_back() const { return false; }
+    // Catches up with `committed` and calls `score` for each token from `first` on (fewer if
+    // the cache already held some).
+    virtual void look_back(const std::vector<llama_token>& /*committed*/, size_t /*first*/,
+                           const HindsightFn& /*score*/) {}
 };
 
 // Asks each drafter in turn and keeps the first non-empty draft (e.g. n-gram, then model).

@@ -20,6 +20,9 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMinCostSweeps = 3, kMaxCostSweeps = 6;
 constexpr double kCostsSettled = 0.05;
 constexpr double kCalibrationBudgetSeconds = 5.0;
+// A look back scores a sampled token exactly over the target's probabilities of at least this
+// (at most a thousand of them) and from the draw for the rest.
+constexpr float kHindsightHeadMin = 1e-3f;
 
 double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
@@ -54,6 +57,7 @@ class Generation {
             n_draft_ = 0;
             stats().fallback_reason = "short request";
         }
+        looks_back_ = adaptive_ && e_.policy_.looks_back();
     }
 
     GenerationResult run() {
@@ -91,6 +95,7 @@ class Generation {
         target().clear_memory();
         e_.decode_sequence(target(), e_.target_batch_, seq_, seq_.size() - 1, false, 0);
         if (e_.drafter_) e_.drafter_->begin(seq_);
+        unseen_from_ = seq_.size();
         stats().t_prompt = seconds_since(start);
     }
 
@@ -108,7 +113,11 @@ class Generation {
         const int cap = draft_cap();
         if (!adaptive_) return std::min(n_draft_, cap);
         std::string why;
-        const int k = e_.policy_.choose(cap, &why);
+        int k = e_.policy_.choose(cap, &why);
+        if (k == AdaptivePolicy::kLookBack) {
+            look_back();
+            k = e_.policy_.choose(cap, &why);
+        }
         if (k == 0 && cap > 0) {
             ++stats().n_fallback_steps;
             if (!why.empty()) stats().fallback_reason = why;
@@ -124,9 +133,11 @@ class Generation {
         const int k = draft_length();
         const double t_draft = stats().t_draft;
         const double t_verify = stats().t_verify;
+        const size_t n_before = seq_.size();
         draft(k);
         verify();
         const int n_accepted = accept_and_commit();
+        remember_for_hindsight(n_before);
         if (adaptive_) {
             StepOutcome outcome{static_cast<int>(draft_.tokens.size()),
                                 n_accepted,
@@ -140,6 +151,43 @@ class Generation {
         // Positions at or past the first rejected draft hold keys/values of tokens that were
         // not committed.
         target().forget_from(static_cast<llama_pos>(base_ + n_accepted));
+    }
+
+    // Tokens committed without a draft are the ones a look back scores; when sampling, it needs
+    // what the target's distribution was at each.
+    void remember_for_hindsight(size_t n_before) {
+        if (!draft_.tokens.empty()) {
+            unseen_from_ = seq_.size();
+            unseen_draws_.clear();
+        } else if (looks_back_ && seq_.size() > n_before && !req_.sampling.greedy()) {
+            unseen_draws_.emplace_back();
+            remember_draw(p_, seq_.back(), kHindsightHeadMin, unseen_draws_.back());
+        }
+    }
+
+    // Asks the drafter, for each token committed since it last drafted, what it would have
+    // drafted there, and tells the policy the chance each such draft had of acceptance.
+    void look_back() {
+        const auto start = Clock::now();
+        hindsight_.clear();
+        e_.drafter_->look_back(seq_, unseen_from_, [this](size_t t, const float* logits) {
+            if (t >= unseen_from_ && t < seq_.size())
+                hindsight_.push_back(hindsight_chance(t, logits));
+        });
+        e_.policy_.observe_hindsight(hindsight_);
+        unseen_from_ = seq_.size();
+        unseen_draws_.clear();
+        ++stats().n_look_backs;
+        stats().t_draft += seconds_since(start);
+    }
+
+    // Greedy: whether the draft's argmax is token t. Sampling: an unbiased estimate of the
+    // chance of acceptance, sum min(p, q), from what the target's p was there.
+    double hindsight_chance(size_t t, const float* logits) {
+        const int n_vocab = e_.draft_->n_vocab();
+        if (req_.sampling.greedy()) return argmax(logits, n_vocab) == seq_[t] ? 1.0 : 0.0;
+        make_distribution(logits, n_vocab, req_.sampling, workspace_, q_look_);
+        return specdec::hindsight_chance(unseen_draws_[t - unseen_from_], q_look_);
     }
 
     void draft(int k) {
@@ -268,13 +316,18 @@ class Generation {
     TextStream text_;
     int n_draft_;
     bool adaptive_ = false;
+    bool looks_back_ = false;       // the policy may ask for a look back
     std::vector<llama_token> seq_;  // prompt + committed tokens
     size_t base_ = 0;
     Draft draft_;
     std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
     std::vector<float> step_margins_;
-    std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
+    std::vector<double> accept_chances_;   // sampling: each verdict's chance of acceptance
+    size_t unseen_from_ = 0;               // seq_[unseen_from_..]: committed without a draft
+    std::vector<DrawnFrom> unseen_draws_;  // sampling: the target's p at each of those tokens
+    std::vector<double> hindsight_;
     Distribution p_;
+    Distribution q_look_;
     SamplingWorkspace workspace_;
     GenerationResult result_;
 };
@@ -304,13 +357,18 @@ Engine::Engine(const EngineConfig& config)
                        ? std::make_unique<FallbackDrafter>(std::move(ngram), std::move(drafter_))
                        : std::unique_ptr<Drafter>(std::move(ngram));
     }
+    if (drafter_ && drafter_->can_look_back()) {
+        AdaptivePolicy::Config policy;
+        policy.look_back = true;
+        policy_ = AdaptivePolicy(policy);
+    }
 }
 
 Engine::~Engine() = default;
 
 void Engine::decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
                              size_t end, bool logits_on_last, size_t chunk) {
-    decode_in_chunks(batch, tokens, 0, end, 0, logits_on_last, chunk,
+    decode_in_chunks(batch, tokens, 0, end, 0, logits_on_last ? end - 1 : end, chunk,
                      [&](const Batch& b) { decode(model, b); });
 }
 

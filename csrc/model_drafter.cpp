@@ -19,24 +19,47 @@ void ModelDrafter::begin(const std::vector<llama_token>& /*prompt*/) {
 }
 
 void ModelDrafter::decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
-                                bool logits_on_last) {
+                                size_t logits_from,
+                                const std::function<void(const Batch&)>& on_decoded) {
     const auto first_pos = static_cast<llama_pos>(cached_.size());
     cached_.insert(cached_.end(), tokens.begin() + static_cast<long>(from),
                    tokens.begin() + static_cast<long>(to));
-    decode_in_chunks(batch_, tokens, from, to, first_pos, logits_on_last, 0,
-                     [this](const Batch& b) { decode_(model_, b); });
+    decode_in_chunks(batch_, tokens, from, to, first_pos, logits_from, 0, [&](const Batch& b) {
+        decode_(model_, b);
+        if (on_decoded) on_decoded(b);
+    });
 }
 
-int ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
+size_t ModelDrafter::keep_common_prefix(const std::vector<llama_token>& committed, size_t limit) {
     size_t common = 0;
-    const size_t limit = std::min(cached_.size(), committed.size() - 1);
+    limit = std::min(cached_.size(), limit);
     while (common < limit && cached_[common] == committed[common]) ++common;
     if (common < cached_.size()) {
         model_.forget_from(static_cast<llama_pos>(common));
         cached_.resize(common);
     }
-    decode_range(committed, common, committed.size(), true);
+    return common;
+}
+
+int ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
+    const size_t common = keep_common_prefix(committed, committed.size() - 1);
+    decode_range(committed, common, committed.size(), committed.size() - 1);
     return static_cast<int>(committed.size() - common);
+}
+
+void ModelDrafter::look_back(const std::vector<llama_token>& committed, size_t first,
+                             const HindsightFn& score) {
+    if (committed.size() < 2) return;
+    const size_t end = committed.size() - 1;
+    const size_t common = keep_common_prefix(committed, end);
+    // Row t - 1 holds the logits for token t; positions are indices into `committed`.
+    decode_range(committed, common, end, std::max<size_t>(first, 1) - 1, [&](const Batch& b) {
+        const llama_batch& raw = b.get();
+        for (int32_t row = 0; row < raw.n_tokens; ++row)
+            if (raw.logits[row])
+                score(static_cast<size_t>(raw.pos[row]) + 1,
+                      llama_get_logits_ith(model_.ctx(), row));
+    });
 }
 
 void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, float p_min,
@@ -71,7 +94,8 @@ void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, flo
         // The last draft token is never decoded here: the target verifies it, and if it is
         // accepted the next catch_up() decodes it together with the target's token.
         if (i + 1 < k)
-            decode_range(out.tokens, static_cast<size_t>(i), static_cast<size_t>(i) + 1, true);
+            decode_range(out.tokens, static_cast<size_t>(i), static_cast<size_t>(i) + 1,
+                         static_cast<size_t>(i));
     }
 }
 

@@ -106,9 +106,10 @@ void AdaptivePolicy::begin_generation() {
     // longer than that (probes failing request after request) is kept: each probe after a long
     // fallback makes the draft catch up on every token it skipped, about 4 % of a target step
     // per token on this CPU, whether the probe pays or not.
+    // A look back needs text to look at: the first waits a few steps.
     probe_interval_ = std::max(probe_interval_, config_.close_call_probe_interval);
-    steps_since_probe_ = probe_interval_ - 1;
-    probing_ = probe_again_ = false;
+    steps_since_probe_ = probe_interval_ - (config_.look_back ? config_.probe_interval : 1);
+    probing_ = probe_again_ = looked_ = false;
 }
 
 void AdaptivePolicy::calibrate(std::vector<double> verify_costs, std::vector<double> draft_costs,
@@ -134,6 +135,13 @@ void AdaptivePolicy::fade_to(size_t i, double weight) {
     if (tries_[i] <= weight) return;
     accepts_[i] *= weight / tries_[i];
     tries_[i] = weight;
+}
+
+void AdaptivePolicy::learn_at(size_t i, double tried, double accepted) {
+    fade_to(i, std::max(kEvidenceFloor, std::pow(config_.decay, tried) * tries_[i]));
+    if (tried > 0.0) ++tried_[i];
+    tries_[i] += tried;
+    accepts_[i] += accepted;
 }
 
 double AdaptivePolicy::step_cost(int k, double all_accepted) const {
@@ -215,7 +223,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     if (best > 0) {
         steps_since_probe_ = 0;
         probe_interval_ = config_.probe_interval;
-        probing_ = probe_again_ = false;
+        probing_ = probe_again_ = looked_ = false;
         return best;
     }
     // Speculation does not pay at the current acceptance; probe now and then, since the text
@@ -243,8 +251,22 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
         probe_again_ = false;
         return probe_again_k_ > 0 ? std::min(probe_again_k_, cap) : best_drafting;
     }
+    // A look back that left speculating clearly slower is a probe that found nothing. One that
+    // left it a close call is followed by a real probe: a short stretch of text cannot settle
+    // a close call, and a probe that pays commits its tokens.
+    if (looked_) {
+        looked_ = false;
+        if (rate[best_drafting] >= rate[0] * (1.0 - kClearlyWorse)) {
+            steps_since_probe_ = 0;
+            probing_ = true;
+            return best_drafting;
+        }
+        probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
+        probes_paid_ = false;
+    }
     if (++steps_since_probe_ >= probe_interval_) {
         steps_since_probe_ = 0;
+        if (config_.look_back) return kLookBack;
         probing_ = true;
         return probe_k(cap);
     }
@@ -292,6 +314,27 @@ void AdaptivePolicy::decide_on_probe(const StepOutcome& step) {
     }
 }
 
+void AdaptivePolicy::observe_hindsight(const std::vector<double>& chance) {
+    for (double c : chance)
+        if (!(c >= 0.0 && c <= 1.0))
+            throw std::invalid_argument("hindsight chances must be in [0, 1]");
+    // As if the text had been drafted with K = max_k, step after step: each step tries the
+    // positions its accepted prefix reaches (fractionally, when sampling) and moves on past its
+    // expected accepted tokens and the target's one. Every position learns from the stretch as
+    // drafting would have, and steps, not tokens, set how fast old evidence fades.
+    const size_t n = chance.size(), depth = tries_.size();
+    for (size_t start = 0; start < n;) {
+        double reached = 1.0, expected = 0.0;
+        for (size_t j = 0; j < std::min(depth, n - start) && reached > 0.0; ++j) {
+            learn_at(j, reached, reached * chance[start + j]);
+            reached *= chance[start + j];
+            expected += reached;
+        }
+        start += 1 + static_cast<size_t>(std::lround(expected));
+    }
+    looked_ = true;
+}
+
 void AdaptivePolicy::observe(const StepOutcome& step) {
     const int k = step.k, n_accepted = step.n_accepted;
     // Position i was tried only if every position before it was accepted.
@@ -300,17 +343,14 @@ void AdaptivePolicy::observe(const StepOutcome& step) {
     // let it drift back towards the pooled estimate and be tried again and again (on the chat
     // prompt of the layer-skip pair, K = 3 for a few steps out of every eight where position
     // 2 is never right). While not drafting, all of it grows stale.
-    const size_t n_fading = k == 0 ? tries_.size() : static_cast<size_t>(reached);
-    for (size_t i = 0; i < n_fading; ++i)
-        fade_to(i, std::max(kEvidenceFloor, config_.decay * tries_[i]));
+    if (k == 0)
+        for (size_t i = 0; i < tries_.size(); ++i)
+            fade_to(i, std::max(kEvidenceFloor, config_.decay * tries_[i]));
     for (int i = 0; i < reached; ++i) {
         const auto at = static_cast<size_t>(i);
-        ++tried_[at];
-        tries_[at] += 1.0;
-        if (step.accept_chance)
-            accepts_[at] += (*step.accept_chance)[at];
-        else if (i < n_accepted)
-            accepts_[at] += 1.0;
+        const double accepted =
+            step.accept_chance ? (*step.accept_chance)[at] : (i < n_accepted ? 1.0 : 0.0);
+        learn_at(at, 1.0, accepted);
     }
     if (!calibrated()) return;
     decide_on_probe(step);

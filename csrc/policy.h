@@ -40,6 +40,14 @@ struct StepOutcome {
 // Acceptance evidence fades (down to a floor) with every drafting step that reaches its
 // position, and all of it with every step without a draft: while the policy falls back to the
 // target alone, what it learnt grows stale, so the next probe speaks with a louder voice.
+//
+// A probe is a drafting step taken blind. A model drafter can do better while the policy falls
+// back: before it drafts again it must catch up on every token committed without it anyway, and
+// the logits of that catch-up say, for each of those tokens, whether the draft would have
+// proposed it (its chance of acceptance, when sampling). Given all the positions before were
+// accepted, a draft's context is the committed text, so these are exactly the conditional
+// acceptances the estimates track, for every position, at the cost of one batched decode the
+// next draft would have paid for.
 class AdaptivePolicy {
   public:
     struct Config {
@@ -52,7 +60,13 @@ class AdaptivePolicy {
         int probe_interval = 4;
         int close_call_probe_interval = 16;
         int max_probe_interval = 256;
+        // The drafter can score, in hindsight, the text committed while falling back
+        // (observe_hindsight): the policy then looks back where it would probe blind, and
+        // probes only where the look finds speculating a close call.
+        bool look_back = false;
     };
+    // What choose() returns, with Config::look_back, when it wants a look back before choosing.
+    static constexpr int kLookBack = -1;
 
     AdaptivePolicy();
     explicit AdaptivePolicy(Config config);
@@ -72,6 +86,11 @@ class AdaptivePolicy {
     // Learns from what a step did. A catch-up of more than two tokens (after steps without
     // drafting) is not a cost drafting has, and is left out of the cost estimates.
     void observe(const StepOutcome& step);
+    // Learns from what drafting would have met on the text committed since the draft last saw
+    // it: chance[i] is the chance a draft of that text's i-th token would have been accepted,
+    // given the text before it (greedy: 1 if the draft's argmax is that token, else 0). Throws
+    // std::invalid_argument for a chance outside [0, 1].
+    void observe_hindsight(const std::vector<double>& chance);
 
     // Whether any K could beat target-only even if every draft token were accepted. When not
     // (a draft nearly as slow as the target), the policy stops drafting for good: keeping the
@@ -85,6 +104,7 @@ class AdaptivePolicy {
     const std::vector<double>& verify_costs() const { return verify_cost_; }
     const std::vector<double>& draft_costs() const { return draft_cost_; }
     int max_k() const { return config_.max_k; }
+    bool looks_back() const { return config_.look_back; }
 
   private:
     Config config_;
@@ -96,6 +116,9 @@ class AdaptivePolicy {
     double step_cost(int k, double all_accepted) const;
     // Scales position i's evidence down to `weight` tries, keeping its acceptance estimate.
     void fade_to(size_t i, double weight);
+    // Position i+1 was tried `tried` times (a fraction: a chance of being reached) and accepted
+    // `accepted` of them; older evidence there fades as much.
+    void learn_at(size_t i, double tried, double accepted);
     int probe_k(int cap) const;
     // What a step's first m draft positions yielded: the tokens accepted there and whether all m
     // were (1 or 0); when sampling, what it could expect at that spot of the text instead.
@@ -128,6 +151,7 @@ class AdaptivePolicy {
     // A probe has paid since the last run of probes that found nothing; kept while drafting
     // and across requests: a text with easier stretches is looked at again soon.
     bool probes_paid_ = false;
+    bool looked_ = false;  // the estimates have just learnt from a look back
 };
 
 }  // namespace specdec

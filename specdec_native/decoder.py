@@ -38,6 +38,7 @@ class Stats:
     n_speculative_steps: int
     n_fallback_steps: int
     fallback_reason: str
+    n_look_backs: int
     steps_at_k: list[int]
     drafted_by_model: int
     accepted_by_model: int

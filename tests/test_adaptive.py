@@ -59,6 +59,38 @@ def test_sampling_with_auto_and_p_min(tiny_pair: models.ModelPair) -> None:
         assert r.stats.n_drafted == r.stats.n_speculative_steps
 
 
+# Costs where drafting loses at the policy's prior (each position accepted with chance 0.7) and
+# pays only where the draft is nearly always right: a target decode costs 0.75 ms more per token
+# in the batch, a draft decode 0.05 ms.
+STEEP_VERIFY = [0.001 + 0.00075 * n for n in range(11)]
+CHEAP_DRAFT = [0.00005, 0.00008]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_look_back_at_text_the_draft_gets_right_brings_drafting_back(
+    tiny_pair: models.ModelPair, temperature: float
+) -> None:
+    # The target drafting for itself is always right. At these costs the policy starts at
+    # target-only and, where it would once probe blind, looks back instead: the draft scores
+    # the tokens committed without it, finds it would have proposed every one of them, and
+    # drafting resumes. Greedy output stays the target's.
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, tiny_pair.target, n_ctx=256, n_threads=1, calibration_cache=False
+    ) as dec:
+        dec._live().set_calibration(STEEP_VERIFY, CHEAP_DRAFT)
+        assert dec.policy_state()["expected_rate"][0] == max(dec.policy_state()["expected_rate"])
+        r = dec.generate("the cat", 60, temperature=temperature, seed=5)
+        base = dec.generate("the cat", 60, n_draft=0, temperature=temperature, seed=5)
+    assert_stats_add_up(r.stats, len(r.tokens))
+    s = r.stats
+    assert s.n_look_backs >= 1
+    assert s.n_fallback_steps == 3  # the first look waits for some text to look at
+    assert s.n_speculative_steps > 0
+    assert s.n_accepted == s.n_drafted
+    if temperature == 0.0:
+        assert r.tokens == base.tokens
+
+
 def _decoder(pair: models.ModelPair, calibration_cache: bool = True) -> sd.SpeculativeDecoder:
     return sd.SpeculativeDecoder(
         pair.target, pair.draft, n_ctx=256, n_threads=1, calibration_cache=calibration_cache

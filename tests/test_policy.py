@@ -341,3 +341,102 @@ def test_rejects_bad_input() -> None:
         p.observe(3, 0, D1, VERIFY[3], 1, D1, [1.5])
     with pytest.raises(ValueError, match="max_k"):
         _core.AdaptivePolicy(0)
+
+
+# -- looking back: a model drafter scores the text committed while falling back ----------------
+
+
+def looking_policy() -> _core.AdaptivePolicy:
+    p = _core.AdaptivePolicy(look_back=True)
+    p.calibrate(VERIFY, [D1, D2])
+    p.begin_generation()
+    return p
+
+
+def run_looking(
+    p: _core.AdaptivePolicy,
+    steps: int,
+    accepted_run: int,
+    hindsight: Callable[[int], list[float]],
+) -> tuple[list[int], list[int]]:
+    """Like run(), with a look back whenever the policy asks for one: `hindsight(n)` gives the
+    chances of the n tokens committed since the draft last drafted or looked. Returns the K of
+    each step and the steps at which it looked back."""
+    chosen, looks = [], []
+    unseen, whole = 0, False
+    for step in range(steps):
+        k, _why = p.choose(10)
+        if k == _core.AdaptivePolicy.LOOK_BACK:
+            looks.append(step)
+            p.observe_hindsight(hindsight(unseen))
+            unseen = 0
+            k, _why = p.choose(10)
+            assert k != _core.AdaptivePolicy.LOOK_BACK
+        n = min(k, accepted_run)
+        observe(p, k, n, after_whole_draft=whole)
+        whole = k > 0 and n == k
+        unseen = unseen + 1 if k == 0 else 0
+        chosen.append(k)
+    return chosen, looks
+
+
+def test_with_look_back_a_fallback_looks_instead_of_probing_blind() -> None:
+    # The draft is always wrong, and so is every look back: after falling back the policy
+    # never drafts again (a blind probe would), and looks less and less often.
+    p = looking_policy()
+    ks, looks = run_looking(p, 200, accepted_run=0, hindsight=lambda n: [0.0] * n)
+    first_fallback = ks.index(0)
+    assert max(ks[first_fallback:]) == 0
+    assert len(looks) >= 3
+    gaps = [b - a for a, b in zip(looks, looks[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]
+
+
+def test_a_look_back_at_text_the_draft_gets_right_brings_drafting_back() -> None:
+    # Fallen back on a text the draft gets wrong; then the text turns easy. The first look back
+    # that sees it resumes drafting at the K the text supports, and it stays.
+    p = looking_policy()
+    run_looking(p, 40, accepted_run=0, hindsight=lambda n: [0.0] * n)
+    ks, looks = run_looking(p, 60, accepted_run=10, hindsight=lambda n: [1.0] * n)
+    assert looks
+    assert min(ks[looks[0] :]) >= 3
+
+
+def test_hindsight_teaches_each_position_given_the_ones_before() -> None:
+    # The draft is right at every other token: a draft there is accepted at position 1 and
+    # rejected at position 2, again and again, as a real K >= 2 step would find.
+    p = looking_policy()
+    p.observe_hindsight([1.0, 0.0] * 30)
+    a = p.acceptance()
+    # Each estimate leans a little on all positions pooled, so neither reaches 1 or 0.
+    assert a[0] > 0.8
+    assert a[1] < 0.2
+    assert a[0] - a[1] > 0.6
+
+
+def test_a_look_back_at_a_close_call_is_followed_by_a_probe() -> None:
+    # A look back cannot settle a close call from a short stretch of text; a real probe
+    # follows (and commits its tokens if it pays). One that finds speculating clearly slower
+    # is not followed by one.
+    def after_look(chance: float) -> int:
+        p = looking_policy()
+        run_looking(p, 40, accepted_run=0, hindsight=lambda n: [0.0] * n)
+        for _ in range(300):
+            k, _why = p.choose(10)
+            if k == _core.AdaptivePolicy.LOOK_BACK:
+                p.observe_hindsight([chance] * 8)
+                return int(p.choose(10)[0])
+            observe(p, k, 0)
+        raise AssertionError("no look back in 300 steps")
+
+    # Eight tokens at chance 0.7 after a fallback leave the best K about 6 % slower than
+    # target-only (a close call); at chance 0.1, over 20 % slower.
+    assert after_look(0.1) == 0
+    assert after_look(0.7) > 0
+
+
+def test_rejects_bad_hindsight() -> None:
+    p = looking_policy()
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"\[0, 1\]"):
+            p.observe_hindsight([0.5, bad])
