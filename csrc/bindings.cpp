@@ -157,7 +157,7 @@ PYBIND11_MODULE(_core, m) {
                 p.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
             },
             py::arg("verify_costs"), py::arg("draft_costs"))
-        .def("begin_generation", &AdaptivePolicy::begin_generation)
+        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("look_back") = true)
         .def(
             "choose",
             [](AdaptivePolicy& p, int cap) {
@@ -370,17 +370,6 @@ PYBIND11_MODULE(_core, m) {
         if (p.size() != q.size()) throw py::value_error("p and q need the same length");
         return acceptance_chance(dense_distribution(p), dense_distribution(q));
     });
-    m.def(
-        "hindsight_chance",
-        [](const std::vector<float>& p, const std::vector<float>& q, int32_t x, float min_prob) {
-            if (p.size() != q.size()) throw py::value_error("p and q need the same length");
-            if (x < 0 || static_cast<size_t>(x) >= p.size())
-                throw py::value_error("x is outside the vocabulary");
-            DrawnFrom drawn;
-            remember_draw(dense_distribution(p), x, min_prob, drawn);
-            return hindsight_chance(drawn, dense_distribution(q));
-        },
-        py::arg("p"), py::arg("q"), py::arg("x"), py::arg("min_prob"));
     m.def("sample_residual_counts",
           [](const std::vector<float>& p, const std::vector<float>& q, int n, uint64_t seed) {
               // Draws n samples from norm(max(0, p - q)) and counts them per id.

@@ -20,9 +20,6 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kMinCostSweeps = 3, kMaxCostSweeps = 6;
 constexpr double kCostsSettled = 0.05;
 constexpr double kCalibrationBudgetSeconds = 5.0;
-// A look back scores a sampled token exactly over the target's probabilities of at least this
-// (at most a thousand of them) and from the draw for the rest.
-constexpr float kHindsightHeadMin = 1e-3f;
 
 double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
@@ -57,14 +54,16 @@ class Generation {
             n_draft_ = 0;
             stats().fallback_reason = "short request";
         }
-        looks_back_ = adaptive_ && e_.policy_.looks_back();
+        // Greedy requests only: a look back at sampled text (unbiased estimates of each token's
+        // chance of acceptance) made `auto` draft more where drafting loses (docs/adaptive.md).
+        looks_back_ = adaptive_ && e_.policy_.looks_back() && request.sampling.greedy();
     }
 
     GenerationResult run() {
         try {
             // Calibration is a one-time cost of the engine, not of this generation.
             if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
-            if (adaptive_) e_.policy_.begin_generation();
+            if (adaptive_) e_.policy_.begin_generation(looks_back_);
         } catch (const Cancelled&) {
             result_.finish_reason = "cancelled";
             return std::move(result_);
@@ -133,11 +132,11 @@ class Generation {
         const int k = draft_length();
         const double t_draft = stats().t_draft;
         const double t_verify = stats().t_verify;
-        const size_t n_before = seq_.size();
         draft(k);
         verify();
         const int n_accepted = accept_and_commit();
-        remember_for_hindsight(n_before);
+        // A look back scores the tokens committed since the draft last drafted.
+        if (!draft_.tokens.empty()) unseen_from_ = seq_.size();
         if (adaptive_) {
             StepOutcome outcome{static_cast<int>(draft_.tokens.size()),
                                 n_accepted,
@@ -153,41 +152,20 @@ class Generation {
         target().forget_from(static_cast<llama_pos>(base_ + n_accepted));
     }
 
-    // Tokens committed without a draft are the ones a look back scores; when sampling, it needs
-    // what the target's distribution was at each.
-    void remember_for_hindsight(size_t n_before) {
-        if (!draft_.tokens.empty()) {
-            unseen_from_ = seq_.size();
-            unseen_draws_.clear();
-        } else if (looks_back_ && seq_.size() > n_before && !req_.sampling.greedy()) {
-            unseen_draws_.emplace_back();
-            remember_draw(p_, seq_.back(), kHindsightHeadMin, unseen_draws_.back());
-        }
-    }
-
-    // Asks the drafter, for each token committed since it last drafted, what it would have
-    // drafted there, and tells the policy the chance each such draft had of acceptance.
+    // Asks the drafter, for each token committed since it last drafted, whether it would have
+    // drafted that token there (greedy: the draft's argmax), and tells the policy.
     void look_back() {
         const auto start = Clock::now();
         hindsight_.clear();
-        e_.drafter_->look_back(seq_, unseen_from_, [this](size_t t, const float* logits) {
+        const int n_vocab = e_.draft_->n_vocab();
+        e_.drafter_->look_back(seq_, unseen_from_, [&](size_t t, const float* logits) {
             if (t >= unseen_from_ && t < seq_.size())
-                hindsight_.push_back(hindsight_chance(t, logits));
+                hindsight_.push_back(argmax(logits, n_vocab) == seq_[t] ? 1.0 : 0.0);
         });
         e_.policy_.observe_hindsight(hindsight_);
         unseen_from_ = seq_.size();
-        unseen_draws_.clear();
         ++stats().n_look_backs;
         stats().t_draft += seconds_since(start);
-    }
-
-    // Greedy: whether the draft's argmax is token t. Sampling: an unbiased estimate of the
-    // chance of acceptance, sum min(p, q), from what the target's p was there.
-    double hindsight_chance(size_t t, const float* logits) {
-        const int n_vocab = e_.draft_->n_vocab();
-        if (req_.sampling.greedy()) return argmax(logits, n_vocab) == seq_[t] ? 1.0 : 0.0;
-        make_distribution(logits, n_vocab, req_.sampling, workspace_, q_look_);
-        return specdec::hindsight_chance(unseen_draws_[t - unseen_from_], q_look_);
     }
 
     void draft(int k) {
@@ -322,12 +300,10 @@ class Generation {
     Draft draft_;
     std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
     std::vector<float> step_margins_;
-    std::vector<double> accept_chances_;   // sampling: each verdict's chance of acceptance
-    size_t unseen_from_ = 0;               // seq_[unseen_from_..]: committed without a draft
-    std::vector<DrawnFrom> unseen_draws_;  // sampling: the target's p at each of those tokens
+    std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
+    size_t unseen_from_ = 0;              // seq_[unseen_from_..]: committed without a draft
     std::vector<double> hindsight_;
     Distribution p_;
-    Distribution q_look_;
     SamplingWorkspace workspace_;
     GenerationResult result_;
 };

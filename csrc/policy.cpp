@@ -60,7 +60,8 @@ AdaptivePolicy::AdaptivePolicy(Config config)
       tries_(static_cast<size_t>(config.max_k), kPriorWeight),
       accepts_(static_cast<size_t>(config.max_k), kPriorWeight * kPriorAcceptance),
       tried_(static_cast<size_t>(config.max_k), 0),
-      probe_interval_(config.probe_interval) {
+      probe_interval_(config.probe_interval),
+      looking_back_(config.look_back) {
     if (config.max_k < 1) throw std::invalid_argument("max_k must be >= 1");
 }
 
@@ -97,7 +98,8 @@ std::vector<double> AdaptivePolicy::acceptance() const {
     return out;
 }
 
-void AdaptivePolicy::begin_generation() {
+void AdaptivePolicy::begin_generation(bool look_back) {
+    looking_back_ = config_.look_back && look_back;
     // What the last request taught keeps its direction but counts as little as evidence can:
     // this text's own first steps decide.
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);
@@ -108,7 +110,7 @@ void AdaptivePolicy::begin_generation() {
     // per token on this CPU, whether the probe pays or not.
     // A look back needs text to look at: the first waits a few steps.
     probe_interval_ = std::max(probe_interval_, config_.close_call_probe_interval);
-    steps_since_probe_ = probe_interval_ - (config_.look_back ? config_.probe_interval : 1);
+    steps_since_probe_ = probe_interval_ - (looking_back_ ? config_.probe_interval : 1);
     probing_ = probe_again_ = looked_ = false;
 }
 
@@ -266,7 +268,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     }
     if (++steps_since_probe_ >= probe_interval_) {
         steps_since_probe_ = 0;
-        if (config_.look_back) return kLookBack;
+        if (looking_back_) return kLookBack;
         probing_ = true;
         return probe_k(cap);
     }

@@ -44,10 +44,10 @@ struct StepOutcome {
 // A probe is a drafting step taken blind. A model drafter can do better while the policy falls
 // back: before it drafts again it must catch up on every token committed without it anyway, and
 // the logits of that catch-up say, for each of those tokens, whether the draft would have
-// proposed it (its chance of acceptance, when sampling). Given all the positions before were
-// accepted, a draft's context is the committed text, so these are exactly the conditional
-// acceptances the estimates track, for every position, at the cost of one batched decode the
-// next draft would have paid for.
+// proposed it. Given all the positions before were accepted, a draft's context is the committed
+// text, so these are exactly the conditional acceptances the estimates track, for every
+// position, at the cost of one batched decode the next draft would have paid for. The engine
+// looks back in greedy requests only (docs/adaptive.md says why).
 class AdaptivePolicy {
   public:
     struct Config {
@@ -80,7 +80,8 @@ class AdaptivePolicy {
     bool calibrated() const { return !verify_cost_.empty(); }
 
     // A new request is new text: whatever the last one taught, look at this one soon.
-    void begin_generation();
+    // `look_back`: whether this request looks back (with Config::look_back) or probes.
+    void begin_generation(bool look_back = true);
     // K for the next step, at most `cap`; 0 means target only. `why` explains a fallback.
     int choose(int cap, std::string* why);
     // Learns from what a step did. A catch-up of more than two tokens (after steps without
@@ -151,7 +152,8 @@ class AdaptivePolicy {
     // A probe has paid since the last run of probes that found nothing; kept while drafting
     // and across requests: a text with easier stretches is looked at again soon.
     bool probes_paid_ = false;
-    bool looked_ = false;  // the estimates have just learnt from a look back
+    bool looking_back_ = false;  // this request looks back instead of probing blind
+    bool looked_ = false;        // the estimates have just learnt from a look back
 };
 
 }  // namespace specdec

@@ -165,32 +165,6 @@ double acceptance_chance(const Distribution& p, const Distribution& q) {
     return std::min(total, 1.0);
 }
 
-void remember_draw(const Distribution& p, int32_t x, float min_prob, DrawnFrom& out) {
-    out.head_ids.clear();
-    out.head_probs.clear();
-    out.head_mass = 0.0;
-    for (int32_t id : p.support)
-        if (p[id] >= min_prob) {
-            out.head_ids.push_back(id);
-            out.head_probs.push_back(p[id]);
-            out.head_mass += p[id];
-        }
-    out.token = x;
-    out.p_token = p[x];
-    out.token_in_head = out.p_token >= min_prob;
-}
-
-double hindsight_chance(const DrawnFrom& p, const Distribution& q) {
-    const auto n_vocab = static_cast<int32_t>(q.probs.size());
-    auto q_of = [&](int32_t id) { return id >= 0 && id < n_vocab ? double(q[id]) : 0.0; };
-    if (!p.token_in_head)
-        return p.p_token > 0.0f ? std::min(1.0, q_of(p.token) / double(p.p_token)) : 0.0;
-    double overlap = 0.0;
-    for (size_t i = 0; i < p.head_ids.size(); ++i)
-        overlap += std::min(double(p.head_probs[i]), q_of(p.head_ids[i]));
-    return std::min(1.0, overlap / p.head_mass);
-}
-
 bool accept_draft(const Distribution& p, const Distribution& q, int32_t x, Rng& rng) {
     return rng.uniform() < acceptance_probability(p[x], q[x]);
 }

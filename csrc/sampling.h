@@ -74,26 +74,6 @@ double acceptance_probability(float p_x, float q_x);
 // accept/reject outcome: the same mean, with far less noise.
 double acceptance_chance(const Distribution& p, const Distribution& q);
 
-// What a look back needs of a target distribution p at a token x drawn from it without a
-// draft: p's head (the ids with p >= min_prob, at most 1 / min_prob of them) and p(x). Keeping
-// all of p for every target-only step would cost a vocabulary of floats per token.
-struct DrawnFrom {
-    std::vector<int32_t> head_ids;
-    std::vector<float> head_probs;
-    double head_mass = 0.0;  // p's total over the head
-    int32_t token = -1;
-    float p_token = 0.0f;
-    bool token_in_head = false;
-};
-void remember_draw(const Distribution& p, int32_t x, float min_prob, DrawnFrom& out);
-
-// An estimate of acceptance_chance(p, q) from what remember_draw kept, unbiased over x ~ p and
-// within [0, 1]: min(1, q(x) / p(x)) for x outside the head, and for x in it that term's mean
-// over the head, (sum over the head of min(p, q)) / p(head). The term alone for every x is
-// unbiased too, but noisy: a draw of a token the draft rates low reads 0.2 where the chance is
-// 0.6. Averaging it over the head leaves only the tail to the draw.
-double hindsight_chance(const DrawnFrom& p, const Distribution& q);
-
 // Accepts draft token x, drawn from q, with probability min(1, p(x)/q(x)).
 bool accept_draft(const Distribution& p, const Distribution& q, int32_t x, Rng& rng);
 // The same for a point-mass draft (q = 1 on x, as an n-gram draft is): accepts with p(x).

@@ -127,30 +127,3 @@ def test_text_stream_releases_false_stop_prefix() -> None:
     chunks, stopped = _core.utf8_stream([b"hello wo", b"w!"], ["world"])
     assert b"".join(chunks) == b"hello wow!"
     assert not stopped
-
-
-@pytest.mark.parametrize("min_prob", [0.0, 0.15, 2.0])
-def test_hindsight_chance_is_an_unbiased_estimate_of_the_overlap(min_prob: float) -> None:
-    # Over draws x ~ p, the estimate averages to sum min(p, q), whether the head p >= min_prob
-    # holds all of p (exact for every draw), part of it, or none (the draw alone decides).
-    p = np.array([0.45, 0.25, 0.12, 0.1, 0.05, 0.03])
-    q = np.array([0.1, 0.3, 0.3, 0.05, 0.2, 0.05])
-    values = [_core.hindsight_chance(p.tolist(), q.tolist(), x, min_prob) for x in range(6)]
-    assert all(0.0 <= v <= 1.0 for v in values)
-    overlap = _core.acceptance_chance(p.tolist(), q.tolist())
-    assert float(np.dot(p, values)) == pytest.approx(overlap, abs=1e-6)
-    spread = float(np.dot(p, (np.array(values) - overlap) ** 2))
-    if min_prob == 0.0:
-        assert spread == pytest.approx(0.0, abs=1e-12)
-    else:
-        assert spread > 0.0
-    if min_prob == 0.15:  # the head takes most of the draw's noise away
-        all_draw = [_core.hindsight_chance(p.tolist(), q.tolist(), x, 2.0) for x in range(6)]
-        assert spread < 0.5 * float(np.dot(p, (np.array(all_draw) - overlap) ** 2))
-
-
-def test_hindsight_chance_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match="same length"):
-        _core.hindsight_chance([0.5, 0.5], [1.0], 0, 0.01)
-    with pytest.raises(ValueError, match="outside"):
-        _core.hindsight_chance([0.5, 0.5], [0.5, 0.5], 2, 0.01)
