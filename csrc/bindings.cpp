@@ -142,13 +142,12 @@ PYBIND11_MODULE(_core, m) {
 
     // The policy alone, for tests of its rules: pure arithmetic on costs and outcomes.
     py::class_<AdaptivePolicy>(m, "AdaptivePolicy")
-        .def(py::init([](int max_k, bool look_back) {
+        .def(py::init([](int max_k) {
                  AdaptivePolicy::Config config;
                  config.max_k = max_k;
-                 config.look_back = look_back;
                  return AdaptivePolicy(config);
              }),
-             py::arg("max_k") = 10, py::arg("look_back") = false)
+             py::arg("max_k") = 10)
         .def_readonly_static("LOOK_BACK", &AdaptivePolicy::kLookBack)
         .def(
             "calibrate",
@@ -157,7 +156,7 @@ PYBIND11_MODULE(_core, m) {
                 p.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
             },
             py::arg("verify_costs"), py::arg("draft_costs"))
-        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("look_back") = true)
+        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("look_back") = false)
         .def(
             "choose",
             [](AdaptivePolicy& p, int cap) {

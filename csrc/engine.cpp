@@ -54,16 +54,13 @@ class Generation {
             n_draft_ = 0;
             stats().fallback_reason = "short request";
         }
-        // Greedy requests only: a look back at sampled text (unbiased estimates of each token's
-        // chance of acceptance) made `auto` draft more where drafting loses (docs/adaptive.md).
-        looks_back_ = adaptive_ && e_.policy_.looks_back() && request.sampling.greedy();
     }
 
     GenerationResult run() {
         try {
             // Calibration is a one-time cost of the engine, not of this generation.
             if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
-            if (adaptive_) e_.policy_.begin_generation(looks_back_);
+            if (adaptive_) e_.policy_.begin_generation(looks_back());
         } catch (const Cancelled&) {
             result_.finish_reason = "cancelled";
             return std::move(result_);
@@ -152,6 +149,10 @@ class Generation {
         target().forget_from(static_cast<llama_pos>(base_ + n_accepted));
     }
 
+    // Greedy requests only: a look back at sampled text (unbiased estimates of each token's
+    // chance of acceptance) made `auto` draft more where drafting loses (docs/adaptive.md).
+    bool looks_back() const { return e_.drafter_->can_look_back() && req_.sampling.greedy(); }
+
     // Asks the drafter, for each token committed since it last drafted, whether it would have
     // drafted that token there (greedy: the draft's argmax), and tells the policy.
     void look_back() {
@@ -159,8 +160,7 @@ class Generation {
         hindsight_.clear();
         const int n_vocab = e_.draft_->n_vocab();
         e_.drafter_->look_back(seq_, unseen_from_, [&](size_t t, const float* logits) {
-            if (t >= unseen_from_ && t < seq_.size())
-                hindsight_.push_back(argmax(logits, n_vocab) == seq_[t] ? 1.0 : 0.0);
+            hindsight_.push_back(argmax(logits, n_vocab) == seq_[t] ? 1.0 : 0.0);
         });
         e_.policy_.observe_hindsight(hindsight_);
         unseen_from_ = seq_.size();
@@ -294,7 +294,6 @@ class Generation {
     TextStream text_;
     int n_draft_;
     bool adaptive_ = false;
-    bool looks_back_ = false;       // the policy may ask for a look back
     std::vector<llama_token> seq_;  // prompt + committed tokens
     size_t base_ = 0;
     Draft draft_;
@@ -332,11 +331,6 @@ Engine::Engine(const EngineConfig& config)
         drafter_ = drafter_
                        ? std::make_unique<FallbackDrafter>(std::move(ngram), std::move(drafter_))
                        : std::unique_ptr<Drafter>(std::move(ngram));
-    }
-    if (drafter_ && drafter_->can_look_back()) {
-        AdaptivePolicy::Config policy;
-        policy.look_back = true;
-        policy_ = AdaptivePolicy(policy);
     }
 }
 

@@ -60,8 +60,7 @@ AdaptivePolicy::AdaptivePolicy(Config config)
       tries_(static_cast<size_t>(config.max_k), kPriorWeight),
       accepts_(static_cast<size_t>(config.max_k), kPriorWeight * kPriorAcceptance),
       tried_(static_cast<size_t>(config.max_k), 0),
-      probe_interval_(config.probe_interval),
-      looking_back_(config.look_back) {
+      probe_interval_(config.probe_interval) {
     if (config.max_k < 1) throw std::invalid_argument("max_k must be >= 1");
 }
 
@@ -99,7 +98,7 @@ std::vector<double> AdaptivePolicy::acceptance() const {
 }
 
 void AdaptivePolicy::begin_generation(bool look_back) {
-    looking_back_ = config_.look_back && look_back;
+    looking_back_ = look_back;
     // What the last request taught keeps its direction but counts as little as evidence can:
     // this text's own first steps decide.
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);

@@ -60,12 +60,8 @@ class AdaptivePolicy {
         int probe_interval = 4;
         int close_call_probe_interval = 16;
         int max_probe_interval = 256;
-        // The drafter can score, in hindsight, the text committed while falling back
-        // (observe_hindsight): the policy then looks back where it would probe blind, and
-        // probes only where the look finds speculating a close call.
-        bool look_back = false;
     };
-    // What choose() returns, with Config::look_back, when it wants a look back before choosing.
+    // What choose() returns, in a request that looks back, when it wants a look before choosing.
     static constexpr int kLookBack = -1;
 
     AdaptivePolicy();
@@ -80,8 +76,10 @@ class AdaptivePolicy {
     bool calibrated() const { return !verify_cost_.empty(); }
 
     // A new request is new text: whatever the last one taught, look at this one soon.
-    // `look_back`: whether this request looks back (with Config::look_back) or probes.
-    void begin_generation(bool look_back = true);
+    // `look_back`: whether this request's drafter can score, in hindsight, the text committed
+    // while falling back (observe_hindsight). The policy then looks back where it would probe
+    // blind, and probes only where the look finds speculating a close call.
+    void begin_generation(bool look_back = false);
     // K for the next step, at most `cap`; 0 means target only. `why` explains a fallback.
     int choose(int cap, std::string* why);
     // Learns from what a step did. A catch-up of more than two tokens (after steps without
@@ -105,7 +103,6 @@ class AdaptivePolicy {
     const std::vector<double>& verify_costs() const { return verify_cost_; }
     const std::vector<double>& draft_costs() const { return draft_cost_; }
     int max_k() const { return config_.max_k; }
-    bool looks_back() const { return config_.look_back; }
 
   private:
     Config config_;

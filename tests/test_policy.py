@@ -347,9 +347,9 @@ def test_rejects_bad_input() -> None:
 
 
 def looking_policy() -> _core.AdaptivePolicy:
-    p = _core.AdaptivePolicy(look_back=True)
+    p = _core.AdaptivePolicy()
     p.calibrate(VERIFY, [D1, D2])
-    p.begin_generation()
+    p.begin_generation(look_back=True)
     return p
 
 
