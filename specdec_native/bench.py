@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec_native import comparison as cmp
 from specdec_native.decoder import SpeculativeDecoder, Stats
 
 # A varied built-in set: code, prose, grounded copying, structured output, chat.
@@ -75,9 +76,12 @@ class BenchReport:
 
 
 def adaptive_vs_best_fixed(report: BenchReport) -> list[dict[str, Any]]:
-    """Per temperature and prompt: `auto` against the fixed K that was fastest on that prompt,
-    K = 0 (target only) included. The best is chosen after the fact, which favours it: it is
-    the best of several noisy measurements, `auto` is one."""
+    """Per temperature and prompt: `auto` against the fixed K (K = 0, target only, included)
+    that was fastest on that prompt, two ways (comparison.py):
+
+    - after the fact: the K with the best median speed-up, against `auto`'s median;
+    - held out (2+ rounds): each round scores the K that was fastest on the other rounds; the
+      ratio of `auto`'s mean speed-up to that, with a bootstrap 95 % interval over rounds."""
     rows = []
     for temp in sorted({r.temperature for r in report.runs}):
         for prompt in dict.fromkeys(r.prompt for r in report.runs if r.temperature == temp):
@@ -87,18 +91,28 @@ def adaptive_vs_best_fixed(report: BenchReport) -> list[dict[str, Any]]:
             if auto is None or not fixed:
                 continue
             best = max(fixed, key=lambda r: r.speedup)
-            rows.append(
-                {
-                    "temperature": temp,
-                    "prompt": prompt,
-                    "best_k": best.n_draft,
-                    "best_speedup": best.speedup,
-                    "auto_speedup": auto.speedup,
-                    "auto_over_best": auto.speedup / best.speedup if best.speedup else 0.0,
-                    "auto_range": [min(auto.speedup_by_repeat), max(auto.speedup_by_repeat)],
-                    "best_range": [min(best.speedup_by_repeat), max(best.speedup_by_repeat)],
-                }
-            )
+            row: dict[str, Any] = {
+                "temperature": temp,
+                "prompt": prompt,
+                "best_k": best.n_draft,
+                "best_speedup": best.speedup,
+                "auto_speedup": auto.speedup,
+                "auto_over_best": auto.speedup / best.speedup if best.speedup else 0.0,
+                "auto_range": [min(auto.speedup_by_repeat), max(auto.speedup_by_repeat)],
+                "best_range": [min(best.speedup_by_repeat), max(best.speedup_by_repeat)],
+            }
+            if len(auto.speedup_by_repeat) >= 2:
+                held = cmp.held_out_best({r.n_draft: r.speedup_by_repeat for r in fixed})
+                row.update(
+                    held_out_k=held.picked,
+                    held_out_speedup=statistics.mean(held.speedups),
+                    auto_mean_speedup=statistics.mean(auto.speedup_by_repeat),
+                    auto_over_held_out=cmp.ratio_of_means(auto.speedup_by_repeat, held.speedups),
+                    auto_over_held_out_ci=list(
+                        cmp.ratio_interval(auto.speedup_by_repeat, held.speedups)
+                    ),
+                )
+            rows.append(row)
     return rows
 
 
@@ -106,19 +120,31 @@ def format_adaptive(report: BenchReport) -> str:
     rows = adaptive_vs_best_fixed(report)
     if not rows:
         return ""
+    held = all("held_out_speedup" in r for r in rows)
     head = (
         f"{'T':>4} {'prompt':<12} {'best K':>6} {'speedup (range)':>20} "
         f"{'auto (range)':>20} {'auto/best':>9}"
     )
+    if held:
+        head += f"  {'held-out K':>10} {'mean':>6} {'auto':>6} {'auto/held-out':>13} {'95% CI':>11}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lo, hi = r["best_range"]
         alo, ahi = r["auto_range"]
-        lines.append(
+        line = (
             f"{r['temperature']:>4g} {r['prompt'][:12]:<12} {r['best_k']:>6} "
             f"{r['best_speedup']:>6.2f}x ({lo:.2f}-{hi:.2f}) "
             f"{r['auto_speedup']:>6.2f}x ({alo:.2f}-{ahi:.2f}) {100 * r['auto_over_best']:>8.0f}%"
         )
+        if held:
+            picked = "/".join(str(k) for k in dict.fromkeys(r["held_out_k"]))
+            clo, chi = r["auto_over_held_out_ci"]
+            ci = f"[{100 * clo:.0f}-{100 * chi:.0f}%]"
+            line += (
+                f"  {picked:>10} {r['held_out_speedup']:>5.2f}x {r['auto_mean_speedup']:>5.2f}x "
+                f"{100 * r['auto_over_held_out']:>12.0f}% {ci:>11}"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

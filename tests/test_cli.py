@@ -173,6 +173,23 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
     for row in rows:
         assert row["best_k"] in (0, 1, 3)
         assert row["auto_over_best"] == pytest.approx(row["auto_speedup"] / row["best_speedup"])
+        # held out: each of the 2 rounds scores the K the other round found fastest
+        assert len(row["held_out_k"]) == 2 and set(row["held_out_k"]) <= {0, 1, 3}
+        scored = [
+            next(
+                run["speedup_by_repeat"][i]
+                for run in report["runs"]
+                if (run["temperature"], run["prompt"], run["n_draft"])
+                == (row["temperature"], row["prompt"], k)
+            )
+            for i, k in enumerate(row["held_out_k"])
+        ]
+        assert row["held_out_speedup"] == pytest.approx(sum(scored) / 2)
+        assert row["auto_over_held_out"] == pytest.approx(
+            row["auto_mean_speedup"] / row["held_out_speedup"]
+        )
+        lo, hi = row["auto_over_held_out_ci"]
+        assert 0.0 < lo <= hi
     assert png.stat().st_size > 10_000
 
 
