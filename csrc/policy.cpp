@@ -110,7 +110,7 @@ void AdaptivePolicy::begin_generation(bool look_back) {
     // A look back needs text to look at: the first waits a few steps.
     probe_interval_ = std::max(probe_interval_, config_.close_call_probe_interval);
     steps_since_probe_ = probe_interval_ - (looking_back_ ? config_.probe_interval : 1);
-    probing_ = probe_again_ = looked_ = false;
+    probing_ = probe_again_ = looked_ = probe_after_look_ = false;
 }
 
 void AdaptivePolicy::calibrate(std::vector<double> verify_costs, std::vector<double> draft_costs,
@@ -254,12 +254,18 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     }
     // A look back that left speculating clearly slower is a probe that found nothing. One that
     // left it a close call is followed by a real probe: a short stretch of text cannot settle
-    // a close call, and a probe that pays commits its tokens.
+    // a close call, and a probe that pays commits its tokens. That probe gets a second step if
+    // its first finds nothing (decide_on_probe): the look has scored a whole stretch, and one
+    // step can fail by where it starts. On the layer-skip pair's chat prompt the draft gets
+    // every other word of a two-word loop; a look scores that as position 1 always accepted,
+    // a probe that starts on the other word fails, and the step after it starts on the right
+    // one.
     if (looked_) {
         looked_ = false;
         if (rate[best_drafting] >= rate[0] * (1.0 - kClearlyWorse)) {
             steps_since_probe_ = 0;
             probing_ = true;
+            probe_after_look_ = true;
             return best_drafting;
         }
         probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
@@ -298,6 +304,7 @@ void AdaptivePolicy::decide_on_probe(const StepOutcome& step) {
     probe_again_ = false;
     probe_again_k_ = 0;
     const int k = step.k, n_accepted = step.n_accepted;
+    const bool after_look = std::exchange(probe_after_look_, false);
     if (!probing_ || k == 0) return;
     // A probe that paid (committed tokens faster than the target alone would have) is followed
     // by another, of the K the estimates now favour: the text may have turned easier, and one
@@ -312,6 +319,9 @@ void AdaptivePolicy::decide_on_probe(const StepOutcome& step) {
         // K never pay, and ones of K = 1 do.
         probe_again_ = true;
         probe_again_k_ = n_accepted;
+    } else if (after_look) {
+        probe_again_ = true;
+        probe_again_k_ = k;
     }
 }
 

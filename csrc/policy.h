@@ -149,8 +149,9 @@ class AdaptivePolicy {
     // A probe has paid since the last run of probes that found nothing; kept while drafting
     // and across requests: a text with easier stretches is looked at again soon.
     bool probes_paid_ = false;
-    bool looking_back_ = false;  // this request looks back instead of probing blind
-    bool looked_ = false;        // the estimates have just learnt from a look back
+    bool looking_back_ = false;      // this request looks back instead of probing blind
+    bool looked_ = false;            // the estimates have just learnt from a look back
+    bool probe_after_look_ = false;  // the probe being observed follows a close-call look
 };
 
 }  // namespace specdec

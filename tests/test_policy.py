@@ -435,6 +435,29 @@ def test_a_look_back_at_a_close_call_is_followed_by_a_probe() -> None:
     assert after_look(0.7) > 0
 
 
+def test_the_probe_after_a_close_call_look_gets_a_second_step() -> None:
+    # A look scores a whole stretch of text, a probe one step, which can fail by where it
+    # starts (a two-word loop of which the draft gets every other word). So a probe after a
+    # close-call look that finds nothing is tried once more, at the same K; a second miss
+    # ends it.
+    p = looking_policy()
+    run_looking(p, 40, accepted_run=0, hindsight=lambda n: [0.0] * n)
+    for _ in range(300):
+        k, _why = p.choose(10)
+        if k == _core.AdaptivePolicy.LOOK_BACK:
+            break
+        observe(p, k, 0)
+    else:
+        raise AssertionError("no look back in 300 steps")
+    p.observe_hindsight([0.7] * 8)  # a close call (see above)
+    ks = []
+    for _ in range(3):
+        k = int(p.choose(10)[0])
+        ks.append(k)
+        observe(p, k, 0)
+    assert ks[0] > 0 and ks[1] == ks[0] and ks[2] == 0
+
+
 def test_rejects_bad_hindsight() -> None:
     p = looking_policy()
     for bad in (1.5, -0.1, float("nan")):
