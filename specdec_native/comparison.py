@@ -32,15 +32,12 @@ def held_out_best(by_config: Mapping[K, Sequence[float]]) -> HeldOut:
     counts = {len(v) for v in by_config.values()}
     if len(counts) != 1 or min(counts) < 2:
         raise ValueError("held-out comparison needs the same number (2+) of rounds for each K")
-    n = counts.pop()
+    totals = {k: sum(v) for k, v in by_config.items()}
     speedups: list[float] = []
     picked: list[object] = []
-    for r in range(n):
-
-        def others_mean(k: K, r: int = r) -> float:
-            return statistics.mean(v for i, v in enumerate(by_config[k]) if i != r)
-
-        best = max(by_config, key=others_mean)
+    for r in range(counts.pop()):
+        # Every K has the same number of other rounds: their sum ranks them as their mean would.
+        best = max(by_config, key=lambda k: totals[k] - by_config[k][r])
         speedups.append(by_config[best][r])
         picked.append(best)
     return HeldOut(speedups, picked)
