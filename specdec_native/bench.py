@@ -396,10 +396,11 @@ def _pooled_run(parts: Sequence[RunResult]) -> RunResult:
     def mean(values: Sequence[float], w: Sequence[int]) -> float:
         return sum(v * n for v, n in zip(values, w)) / sum(w) if sum(w) else 0.0
 
+    # Measured figures only: temperature names the configuration, and speed-up is recomputed.
     scalars: dict[str, Any] = {
         f.name: mean([getattr(p, f.name) for p in parts], weights)
         for f in fields(RunResult)
-        if f.type == "float" and f.name != "speedup"
+        if isinstance(getattr(parts[0], f.name), float) and f.name not in ("temperature", "speedup")
     }
     depth = max(len(p.acceptance_by_position) for p in parts)
     by_position = [

@@ -66,13 +66,13 @@ def test_ratio_interval_needs_pairs() -> None:
 
 
 def _report(target: str, cells: dict[tuple[str, int | str], list[float]]) -> bench.BenchReport:
-    """A report with these per-round speed-ups (greedy), its other figures made up."""
+    """A report with these per-round speed-ups (T = 0.8), its other figures made up."""
     rounds = {len(v) for v in cells.values()}.pop()
     runs = [
         bench.RunResult(
             prompt=prompt,
             n_draft=k,
-            temperature=0.0,
+            temperature=0.8,
             tokens_per_second=20.0 * statistics.median(v),
             acceptance_rate=0.5,
             tokens_per_pass=2.0,
@@ -114,6 +114,7 @@ def test_pooled_reports_hold_every_round_of_the_configurations_all_ran() -> None
         ("code", "auto"),
     ]
     k3 = pooled.runs[1]
+    assert k3.temperature == 0.8 and k3.n_draft == 3
     assert k3.speedup_by_repeat == [1.3, 1.2, 1.4, 1.1, 1.3]
     assert k3.speedup == 1.3
     assert k3.tokens_per_second == pytest.approx((2 * 20 * 1.25 + 3 * 20 * 1.3) / 5)
