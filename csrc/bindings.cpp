@@ -203,6 +203,7 @@ PYBIND11_MODULE(_core, m) {
                 return p.expected_rates(cap);
             },
             py::arg("cap"))
+        .def("can_ever_pay", &AdaptivePolicy::can_ever_pay)
         .def_property_readonly("verify_costs", &AdaptivePolicy::verify_costs)
         .def_property_readonly("draft_costs", &AdaptivePolicy::draft_costs);
 

@@ -130,6 +130,7 @@ void AdaptivePolicy::calibrate(std::vector<double> verify_costs, std::vector<dou
     verify_cost_ = std::move(verify_costs);
     draft_cost_ = std::move(draft_costs);
     calibration_seconds_ = seconds_taken;
+    ever_pays_ = pays_at_best();
 }
 
 void AdaptivePolicy::fade_to(size_t i, double weight) {
@@ -174,7 +175,7 @@ int AdaptivePolicy::probe_k(int cap) const {
     return best;
 }
 
-bool AdaptivePolicy::can_ever_pay() const {
+bool AdaptivePolicy::pays_at_best() const {
     const double target_only = 1.0 / verify_cost_[0];
     for (int k = 1; k < static_cast<int>(verify_cost_.size()); ++k) {
         const double best_case = (k + 1) / step_cost(k, 1.0);

@@ -94,7 +94,11 @@ class AdaptivePolicy {
     // Whether any K could beat target-only even if every draft token were accepted. When not
     // (a draft nearly as slow as the target), the policy stops drafting for good: keeping the
     // draft's cache in step for occasional probes would itself cost more than it could gain.
-    bool can_ever_pay() const;
+    // Decided on the calibration, where every cost was measured together: afterwards only the
+    // costs of the steps taken are re-measured, and while not drafting that is target-only's
+    // alone, so a slow spell would make drafting look cheaper than it is (on the cannot-pay
+    // pair in benchmarks.md it drafted, and ran at 0.90x of target-only at T = 0.8).
+    bool can_ever_pay() const { return ever_pays_; }
 
     // Expected tokens per second for K = 0..cap (cap < the number of verify costs).
     std::vector<double> expected_rates(int cap) const;
@@ -118,6 +122,8 @@ class AdaptivePolicy {
     // `accepted` of them; older evidence there fades as much.
     void learn_at(size_t i, double tried, double accepted);
     int probe_k(int cap) const;
+    // Whether any K beats target-only with every draft token accepted, at the current costs.
+    bool pays_at_best() const;
     // What a step's first m draft positions yielded: the tokens accepted there and whether all m
     // were (1 or 0); when sampling, what it could expect at that spot of the text instead.
     struct Yield {
@@ -138,6 +144,7 @@ class AdaptivePolicy {
     std::vector<double> verify_cost_;  // [n-1]: seconds for a target decode of n tokens
     std::vector<double> draft_cost_;   // [n-1]: seconds for a draft decode of n = 1, 2 tokens
     double calibration_seconds_ = 0.0;
+    bool ever_pays_ = false;  // pays_at_best() at the calibration
     int current_k_ = -1;
     int steps_since_probe_ = 0;
     int probe_interval_ = 0;

@@ -314,6 +314,23 @@ def test_a_new_request_keeps_only_a_hint_of_the_last() -> None:
     assert drop_after_one_rejection(True) > 2 * drop_after_one_rejection(False)
 
 
+def test_a_draft_too_slow_at_calibration_stays_so_through_a_slow_spell() -> None:
+    # The cannot-pay pair's calibration on the test machine (SmolLM2 Q4_1 target, its Q4_0
+    # requant as draft): even a draft accepted whole reaches 0.74x of target-only.
+    verify = [0.0110, 0.0173, 0.0225, 0.0275, 0.0347, 0.0403, 0.0455, 0.0493, 0.0554, 0.0619]
+    p = _core.AdaptivePolicy()
+    p.calibrate(verify, [0.0094, 0.0133])
+    p.begin_generation()
+    assert not p.can_ever_pay()
+    # Target-only steps 70 % slower than calibrated: only their own cost is re-measured.
+    for _ in range(100):
+        k, why = p.choose(9)
+        assert (k, why) == (0, "draft too slow for this target")
+        p.observe(0, 0, 0.0, 1.7 * verify[0], 0, 0.0)
+    assert p.verify_costs[0] > 1.5 * verify[0]
+    assert not p.can_ever_pay()
+
+
 def test_rejects_bad_input() -> None:
     p = _core.AdaptivePolicy()
     with pytest.raises(ValueError, match="calibrate"):
