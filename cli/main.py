@@ -444,10 +444,7 @@ def bench(
     )
     click.echo(b.format_table(report))
     if "auto" in _k_list(ks) and draft:
-        click.echo(
-            "\nauto vs the fixed K (0 = target only) that was fastest on each prompt: after the"
-            " fact, and held out (each round scores the K fastest on the other rounds):"
-        )
+        click.echo("\n" + b.ADAPTIVE_TITLE)
         click.echo(b.format_adaptive(report))
     if json_out:
         json_out.write_text(json.dumps(report.as_dict(), indent=1))
@@ -478,7 +475,7 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
         raise click.ClickException("the reports have no `auto` run beside a fixed K to compare")
     click.echo(f"\npooled, {pooled.repeats} rounds:")
     click.echo(b.format_table(pooled))
-    click.echo("\nauto vs the fixed K (0 = target only) that was fastest on each prompt:")
+    click.echo("\n" + b.ADAPTIVE_TITLE)
     click.echo(table)
     if json_out:
         json_out.write_text(json.dumps(pooled.as_dict(), indent=1))

@@ -116,6 +116,12 @@ def adaptive_vs_best_fixed(report: BenchReport) -> list[dict[str, Any]]:
     return rows
 
 
+ADAPTIVE_TITLE = (
+    "auto vs the fixed K (0 = target only) that was fastest on each prompt: after the fact, and"
+    " held out (each round scores the K fastest on the other rounds):"
+)
+
+
 def format_adaptive(report: BenchReport) -> str:
     rows = adaptive_vs_best_fixed(report)
     if not rows:
