@@ -156,7 +156,8 @@ PYBIND11_MODULE(_core, m) {
                 p.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
             },
             py::arg("verify_costs"), py::arg("draft_costs"))
-        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("look_back") = false)
+        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("look_back") = false,
+             py::arg("sampled") = false)
         .def(
             "choose",
             [](AdaptivePolicy& p, int cap) {

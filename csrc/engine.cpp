@@ -60,7 +60,7 @@ class Generation {
         try {
             // Calibration is a one-time cost of the engine, not of this generation.
             if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
-            if (adaptive_) e_.policy_.begin_generation(looks_back());
+            if (adaptive_) e_.policy_.begin_generation(looks_back(), !req_.sampling.greedy());
         } catch (const Cancelled&) {
             result_.finish_reason = "cancelled";
             return std::move(result_);

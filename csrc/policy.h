@@ -79,7 +79,10 @@ class AdaptivePolicy {
     // `look_back`: whether this request's drafter can score, in hindsight, the text committed
     // while falling back (observe_hindsight). The policy then looks back where it would probe
     // blind, and probes only where the look finds speculating a close call.
-    void begin_generation(bool look_back = false);
+    // `sampled`: whether this request samples (T > 0), so that its steps report each
+    // position's chance of acceptance; drafting then stops as soon as target-only looks
+    // clearly faster, without the margin a greedy request's coin-flip evidence needs.
+    void begin_generation(bool look_back = false, bool sampled = false);
     // K for the next step, at most `cap`; 0 means target only. `why` explains a fallback.
     int choose(int cap, std::string* why);
     // Learns from what a step did. A catch-up of more than two tokens (after steps without
@@ -157,6 +160,7 @@ class AdaptivePolicy {
     // and across requests: a text with easier stretches is looked at again soon.
     bool probes_paid_ = false;
     bool looking_back_ = false;      // this request looks back instead of probing blind
+    bool sampled_ = false;           // this request samples: its evidence is chances
     bool looked_ = false;            // the estimates have just learnt from a look back
     bool probe_after_look_ = false;  // the probe being observed follows a close-call look
 };
