@@ -380,6 +380,14 @@ def _float_list(text: str) -> list[float]:
 @click.option("--only", default=None, help="Comma-separated built-in prompt names to use.")
 @click.option("-n", "--max-tokens", default=96, show_default=True, type=int)
 @click.option("-r", "--repeats", default=3, show_default=True, type=int)
+@click.option(
+    "--seed",
+    default=1234,
+    show_default=True,
+    type=int,
+    help="Round r samples with seed SEED + r. Give runs you will pool different seeds: with "
+    "the same one their T > 0 rounds sample the same texts.",
+)
 @click.option("-c", "--ctx-size", "n_ctx", default=2048, show_default=True, type=int)
 @click.option("-t", "--threads", "n_threads", default=None, type=int)
 @gpu_layers_option("Layers of both models on the GPU (-1: all).")
@@ -405,6 +413,7 @@ def bench(
     only: str | None,
     max_tokens: int,
     repeats: int,
+    seed: int,
     n_ctx: int,
     n_threads: int | None,
     n_gpu_layers: int,
@@ -440,6 +449,7 @@ def bench(
         n_ctx=n_ctx,
         n_threads=n_threads,
         n_gpu_layers=n_gpu_layers,
+        seed=seed,
         progress=progress,
     )
     click.echo(b.format_table(report))
@@ -469,7 +479,13 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     loaded = [b.load_report(p) for p in reports]
     pooled = b.pool_reports(loaded)
     for path, r in zip(reports, loaded):
-        click.echo(f"{path}: {r.repeats} rounds on {r.machine.get('cpu', 'an unknown CPU')}")
+        cpu = r.machine.get("cpu", "an unknown CPU")
+        click.echo(f"{path}: {r.repeats} rounds from seed {r.seed} on {cpu}")
+    for seed in b.repeated_texts(loaded):
+        click.echo(
+            f"note: several reports sampled with seed {seed}: at T > 0 their rounds repeat the "
+            "same texts, so pooling them averages the timing, not the texts"
+        )
     table = b.format_adaptive(pooled)
     if not table:
         raise click.ClickException("the reports have no `auto` run beside a fixed K to compare")

@@ -28,6 +28,10 @@ BUILTIN_PROMPTS: dict[str, str] = {
 }
 
 
+# The seed of round 0 unless told otherwise (every report before `--seed` used it).
+DEFAULT_SEED = 1234
+
+
 @dataclass
 class RunResult:
     """Medians over repeats for one configuration on one prompt."""
@@ -58,6 +62,8 @@ class BenchReport:
     max_tokens: int
     repeats: int
     runs: list[RunResult] = field(default_factory=list)
+    # Round r samples with seed + r: at T > 0, runs of the same seed sample the same texts.
+    seed: int = DEFAULT_SEED
 
     def best_k(self, temperature: float) -> int:
         """The fixed K with the best mean speedup at this temperature."""
@@ -248,11 +254,11 @@ def run_bench(
     n_ctx: int = 2048,
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
-    seed: int = 1234,
+    seed: int = DEFAULT_SEED,
     progress: Callable[[str], None] = lambda _: None,
 ) -> BenchReport:
     report = BenchReport(
-        str(target), str(draft) if draft else None, machine_info(), max_tokens, repeats
+        str(target), str(draft) if draft else None, machine_info(), max_tokens, repeats, seed=seed
     )
     with SpeculativeDecoder(
         target, draft, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers
@@ -356,7 +362,13 @@ def load_report(path: Path) -> BenchReport:
         names = {f.name for f in fields(RunResult)}
         runs = [RunResult(**{k: v for k, v in r.items() if k in names}) for r in d["runs"]]
         return BenchReport(
-            d["target"], d["draft"], d["machine"], d["max_tokens"], d["repeats"], runs
+            d["target"],
+            d["draft"],
+            d["machine"],
+            d["max_tokens"],
+            d["repeats"],
+            runs,
+            seed=int(d.get("seed", DEFAULT_SEED)),
         )
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(
@@ -391,6 +403,13 @@ def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
     )
     pooled.runs = [_pooled_run([runs[key] for runs in by_key]) for key in shared]
     return pooled
+
+
+def repeated_texts(reports: Sequence[BenchReport]) -> list[int]:
+    """The seeds that more than one of these reports sampled with, where they sampled (T > 0):
+    their rounds repeat the same texts, so pooling them averages the timing, not the texts."""
+    seeds = [r.seed for r in reports if any(x.temperature > 0 for x in r.runs)]
+    return sorted({s for s in seeds if seeds.count(s) > 1})
 
 
 def _pooled_run(parts: Sequence[RunResult]) -> RunResult:

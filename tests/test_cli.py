@@ -146,6 +146,8 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
         "16",
         "-r",
         "2",
+        "--seed",
+        "7",
         "--json",
         out,
         "--plot",
@@ -154,6 +156,7 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
     assert r.returncode == 0, r.stderr
     assert "best K" in r.stdout and "auto vs the fixed K" in r.stdout
     report = json.loads(out.read_text())
+    assert report["seed"] == 7
     # baseline + 2 K values + auto, 2 prompts, 2 temperatures
     assert len(report["runs"]) == 4 * 2 * 2
     for run in report["runs"]:
@@ -197,6 +200,8 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
     r = run_cli("bench-pool", out, out, "--json", pooled)
     assert r.returncode == 0, r.stderr
     assert "pooled, 4 rounds" in r.stdout and "auto vs the fixed K" in r.stdout
+    # at T = 1 both copies sampled the same texts, and the pool says so
+    assert "rounds from seed 7" in r.stdout and "sampled with seed 7" in r.stdout
     by_config = {(run["temperature"], run["prompt"], run["n_draft"]): run for run in report["runs"]}
     for run in json.loads(pooled.read_text())["runs"]:
         once = by_config[(run["temperature"], run["prompt"], run["n_draft"])]

@@ -143,6 +143,25 @@ def test_a_report_is_read_back_as_written(tmp_path: Path) -> None:
     path = tmp_path / "r.json"
     path.write_text(json.dumps(a.as_dict()))
     assert bench.load_report(path) == a
+    # Reports written before `--seed` all used the default.
+    old = a.as_dict()
+    del old["seed"]
+    path.write_text(json.dumps(old))
+    assert bench.load_report(path).seed == bench.DEFAULT_SEED
     path.write_text('{"runs": [{"prompt": "code"}]}')
     with pytest.raises(ValueError, match="not a report"):
         bench.load_report(path)
+
+
+def test_pooling_says_which_reports_sampled_the_same_texts() -> None:
+    def run(seed: int, temperature: float = 0.8) -> bench.BenchReport:
+        r = _report("t.gguf", {("code", 0): [1.0, 1.0], ("code", "auto"): [1.1, 1.3]})
+        r.seed = seed
+        for x in r.runs:
+            x.temperature = temperature
+        return r
+
+    assert bench.repeated_texts([run(1234), run(1234), run(99), run(7), run(7)]) == [7, 1234]
+    assert bench.repeated_texts([run(1234), run(1300)]) == []
+    # greedy rounds repeat their text whatever the seed: nothing sampled, nothing to say
+    assert bench.repeated_texts([run(1234, 0.0), run(1234, 0.0)]) == []
