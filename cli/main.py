@@ -480,7 +480,8 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     pooled = b.pool_reports(loaded)
     for path, r in zip(reports, loaded):
         cpu = r.machine.get("cpu", "an unknown CPU")
-        click.echo(f"{path}: {r.repeats} rounds from seed {r.seed} on {cpu}")
+        origin = "pooled" if r.seed is None else f"from seed {r.seed}"
+        click.echo(f"{path}: {r.repeats} rounds {origin} on {cpu}")
     for seed in b.repeated_texts(loaded):
         click.echo(
             f"note: several reports sampled with seed {seed}: at T > 0 their rounds repeat the "

@@ -63,7 +63,8 @@ class BenchReport:
     repeats: int
     runs: list[RunResult] = field(default_factory=list)
     # Round r samples with seed + r: at T > 0, runs of the same seed sample the same texts.
-    seed: int = DEFAULT_SEED
+    # None: a pool of several runs (bench-pool), whose rounds came from several seeds.
+    seed: int | None = DEFAULT_SEED
 
     def best_k(self, temperature: float) -> int:
         """The fixed K with the best mean speedup at this temperature."""
@@ -368,12 +369,18 @@ def load_report(path: Path) -> BenchReport:
             d["max_tokens"],
             d["repeats"],
             runs,
-            seed=int(d.get("seed", DEFAULT_SEED)),
+            seed=_seed_of(d),
         )
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(
             f"{path}: not a report of `bench --json` ({type(e).__name__}: {e})"
         ) from None
+
+
+def _seed_of(d: dict[str, Any]) -> int | None:
+    # Reports written before `--seed` all used the default.
+    seed = d.get("seed", DEFAULT_SEED)
+    return None if seed is None else int(seed)
 
 
 def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
@@ -399,7 +406,12 @@ def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
         raise ValueError("the reports have no configuration in common")
     first = reports[0]
     pooled = BenchReport(
-        first.target, first.draft, first.machine, first.max_tokens, sum(r.repeats for r in reports)
+        first.target,
+        first.draft,
+        first.machine,
+        first.max_tokens,
+        sum(r.repeats for r in reports),
+        seed=None,
     )
     pooled.runs = [_pooled_run([runs[key] for runs in by_key]) for key in shared]
     return pooled
@@ -408,7 +420,9 @@ def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
 def repeated_texts(reports: Sequence[BenchReport]) -> list[int]:
     """The seeds that more than one of these reports sampled with, where they sampled (T > 0):
     their rounds repeat the same texts, so pooling them averages the timing, not the texts."""
-    seeds = [r.seed for r in reports if any(x.temperature > 0 for x in r.runs)]
+    seeds = [
+        r.seed for r in reports if r.seed is not None and any(x.temperature > 0 for x in r.runs)
+    ]
     return sorted({s for s in seeds if seeds.count(s) > 1})
 
 

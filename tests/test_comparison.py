@@ -107,6 +107,7 @@ def test_pooled_reports_hold_every_round_of_the_configurations_all_ran() -> None
     )
     pooled = bench.pool_reports([a, b])
     assert pooled.repeats == 5
+    assert pooled.seed is None  # its rounds come from two runs' seeds
     # K = 1 ran in one report only: left out
     assert [(r.prompt, r.n_draft) for r in pooled.runs] == [
         ("code", 0),
@@ -148,6 +149,10 @@ def test_a_report_is_read_back_as_written(tmp_path: Path) -> None:
     del old["seed"]
     path.write_text(json.dumps(old))
     assert bench.load_report(path).seed == bench.DEFAULT_SEED
+    # A pool's report (several seeds) reads back as one, and pools again.
+    path.write_text(json.dumps(bench.pool_reports([a, a]).as_dict()))
+    assert bench.load_report(path).seed is None
+    assert bench.pool_reports([bench.load_report(path), a]).repeats == 3 * a.repeats
     path.write_text('{"runs": [{"prompt": "code"}]}')
     with pytest.raises(ValueError, match="not a report"):
         bench.load_report(path)

@@ -25,12 +25,20 @@ def policy() -> _core.AdaptivePolicy:
     return p
 
 
-def observe(p: _core.AdaptivePolicy, k: int, n: int, after_whole_draft: bool = False) -> None:
+def observe(
+    p: _core.AdaptivePolicy,
+    k: int,
+    n: int,
+    after_whole_draft: bool = False,
+    chance: float | None = None,
+) -> None:
     """A step of K drafted, n accepted, costing what the calibration says. The draft's catch-up
-    is two tokens after a step whose draft was accepted whole, else one."""
+    is two tokens after a step whose draft was accepted whole, else one. With `chance`, a
+    sampled step: each position it reached had that chance of acceptance."""
     catch_up = (2, D2) if after_whole_draft else (1, D1)
     t_draft = catch_up[1] + (k - 1) * D1 if k > 0 else 0.0
-    p.observe(k, n, t_draft, VERIFY[k], *(catch_up if k > 0 else (0, 0.0)))
+    chances = None if chance is None else [chance] * min(k, n + 1)
+    p.observe(k, n, t_draft, VERIFY[k], *(catch_up if k > 0 else (0, 0.0)), chances)
 
 
 def run(
@@ -281,10 +289,7 @@ def run_sampled(
         n = 0
         while n < k and rng.random() < chance:
             n += 1
-        catch_up = (2, D2) if whole else (1, D1)
-        t_draft = catch_up[1] + (k - 1) * D1 if k > 0 else 0.0
-        chances = [chance] * min(k, n + 1) if learn_from_chance else None
-        p.observe(k, n, t_draft, VERIFY[k], *(catch_up if k > 0 else (0, 0.0)), chances)
+        observe(p, k, n, after_whole_draft=whole, chance=chance if learn_from_chance else None)
         whole = k > 0 and n == k
         ks.append(k)
         estimates.append(p.acceptance()[0])
