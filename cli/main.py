@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -15,22 +18,63 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_PROMPT = "Write a short story about a robot who learns to paint."
 
 
+def _stdout_is_open() -> bool:
+    try:
+        os.fstat(1)
+    except OSError:
+        return False
+    return sys.stdout is not None
+
+
+def _silence_stdout() -> None:
+    """Points fd 1 at /dev/null, so that the interpreter's last flush of output that could not
+    be written (a closed pipe, a full disk) cannot print a traceback on the way out."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
+def _os_error_message(e: OSError) -> str:
+    if e.errno == errno.EPIPE:
+        return "standard output was closed (broken pipe)"
+    if e.errno == errno.ENOSPC:
+        return "no space left to write the output"
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{where}"
+
+
 def user_errors(fn: F) -> F:
-    """Turns the library's errors into one-line CLI errors with a nonzero exit."""
+    """Turns every error a user can cause into one line on stderr and a nonzero exit; Ctrl-C
+    exits 130, and a second Ctrl-C while exiting is ignored."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        import specdec_native as sd
-
         try:
-            return fn(*args, **kwargs)
+            if not _stdout_is_open():
+                _silence_stdout()  # keep fd 1 from going to the next file opened
+                raise click.ClickException("standard output is closed")
+            import specdec_native as sd
+
+            try:
+                result = fn(*args, **kwargs)
+                sys.stdout.flush()
+                return result
+            except (ValueError, TypeError, FileNotFoundError) as e:
+                raise click.ClickException(str(e)) from None
+            except (sd.ModelLoadError, sd.UnsupportedModelError) as e:
+                raise click.ClickException(str(e)) from None
+            except OSError as e:
+                _silence_stdout()
+                raise click.ClickException(_os_error_message(e)) from None
+            except RuntimeError as e:
+                raise click.ClickException(f"{type(e).__name__}: {e}") from None
         except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             click.echo("\ninterrupted", err=True)
             sys.exit(130)
-        except (ValueError, FileNotFoundError, sd.ModelLoadError, sd.UnsupportedModelError) as e:
-            raise click.ClickException(str(e)) from None
-        except RuntimeError as e:
-            raise click.ClickException(f"{type(e).__name__}: {e}") from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -63,20 +107,24 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         raise click.UsageError("give either -p or -f, not both")
     if prompt_file is not None:
         try:
-            return prompt_file.read_text(encoding="utf-8")
+            text = prompt_file.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise click.ClickException(f"{prompt_file} is not valid UTF-8 text") from None
+        if not text.strip():
+            raise click.ClickException(f"the prompt file {prompt_file} is empty")
+        return text
     if prompt is not None:
         return prompt
-    if not sys.stdin.isatty():
-        data = sys.stdin.buffer.read()
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise click.ClickException("standard input is not valid UTF-8 text") from None
-        if text.strip():
-            return text
-    return DEFAULT_PROMPT
+    if sys.stdin is None or sys.stdin.isatty():
+        return DEFAULT_PROMPT
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise click.ClickException("standard input is not valid UTF-8 text") from None
+    if not text.strip():
+        raise click.ClickException("standard input is empty: give a prompt with -p, -f or stdin")
+    return text
 
 
 def _calibration_note(state: dict[str, Any]) -> str | None:
@@ -139,7 +187,9 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 )
 @click.option("--ngram-max", default=4, show_default=True, type=int, help="Longest n-gram matched.")
 @click.option("--no-draft", is_flag=True, help="Target only (the baseline).")
-@click.option("-p", "--prompt", help="Prompt text (default: stdin, else a built-in prompt).")
+@click.option(
+    "-p", "--prompt", help="Prompt text (default: stdin; a built-in prompt when it is a terminal)."
+)
 @click.option(
     "-f", "--file", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path)
 )

@@ -3,7 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <signal.h>
+
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,6 +40,7 @@ py::dict stats_dict(const Stats& s) {
     d["n_speculative_steps"] = s.n_speculative_steps;
     d["n_fallback_steps"] = s.n_fallback_steps;
     d["fallback_reason"] = s.fallback_reason;
+    d["draft_error"] = s.draft_error;
     d["n_look_backs"] = s.n_look_backs;
     d["steps_at_k"] = s.steps_at_k;
     d["drafted_by_model"] = s.drafted_by[0];
@@ -76,14 +80,88 @@ void require_calibrated(const AdaptivePolicy& p) {
     if (!p.calibrated()) throw py::value_error("calibrate the policy first");
 }
 
-// Holds the first Python exception raised while the engine ran (a callback's, or
-// KeyboardInterrupt from a signal handler), to re-raise once the engine has unwound.
+// The engine that Ctrl-C cancels, and whether it came: written by the signal handler, so
+// lock-free atomics only.
+std::atomic<Engine*> g_interruptible{nullptr};
+std::atomic<bool> g_sigint_caught{false};
+
+extern "C" void cancel_on_sigint(int /*signum*/) {
+    g_sigint_caught.store(true);
+    if (Engine* e = g_interruptible.load()) e->cancel();
+}
+
+// Python runs signal handlers on its main thread only, and only when that thread runs Python
+// code; a decode loop asking it (PyErr_CheckSignals) must take the GIL every time, which stalls
+// the loop behind any busy Python thread. So while an engine call runs on the main thread, a C
+// handler turns SIGINT into the engine's cancel flag, which every decode reads anyway; Python's
+// own handler (KeyboardInterrupt by default) runs when the call has returned.
+class InterruptGuard {
+  public:
+    // Needs the GIL. Does nothing off the main thread, or when Python ignores SIGINT.
+    explicit InterruptGuard(Engine& engine) {
+        py::module_ threading = py::module_::import("threading");
+        if (!threading.attr("current_thread")().is(threading.attr("main_thread")())) return;
+        py::module_ signal = py::module_::import("signal");
+        const py::object handler = signal.attr("getsignal")(signal.attr("SIGINT"));
+        if (handler.is_none() || handler.equal(signal.attr("SIG_IGN")) ||
+            handler.equal(signal.attr("SIG_DFL")))
+            return;
+        previous_engine_ = g_interruptible.exchange(&engine);
+        previous_caught_ = g_sigint_caught.exchange(false);
+        struct sigaction action {};
+        action.sa_handler = cancel_on_sigint;
+        sigemptyset(&action.sa_mask);
+        installed_ = sigaction(SIGINT, &action, &previous_action_) == 0;
+    }
+    ~InterruptGuard() { restore(); }
+    InterruptGuard(const InterruptGuard&) = delete;
+    InterruptGuard& operator=(const InterruptGuard&) = delete;
+
+    // Needs the GIL. Puts Python's handler back and, if SIGINT came, runs it: raises what it
+    // raises (KeyboardInterrupt by default).
+    void deliver() {
+        if (!restore()) return;
+        PyErr_SetInterrupt();
+        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+
+  private:
+    // Returns whether SIGINT came while installed.
+    bool restore() {
+        if (!installed_) return false;
+        installed_ = false;
+        sigaction(SIGINT, &previous_action_, nullptr);
+        g_interruptible.store(previous_engine_);
+        return g_sigint_caught.exchange(previous_caught_);
+    }
+
+    bool installed_ = false;
+    struct sigaction previous_action_ {};
+    Engine* previous_engine_ = nullptr;
+    bool previous_caught_ = false;
+};
+
+// Runs one engine call without the GIL, interruptible by Ctrl-C; returns its result.
+template <typename Call>
+auto interruptible(Engine& engine, Call&& call) {
+    InterruptGuard guard(engine);
+    using Result = decltype(call());
+    std::optional<Result> result;
+    try {
+        py::gil_scoped_release release;
+        result.emplace(call());
+    } catch (...) {
+        guard.deliver();  // Ctrl-C, if it came, is why the call unwound
+        throw;
+    }
+    guard.deliver();
+    return std::move(*result);
+}
+
+// Holds the first Python exception a callback raised while the engine ran, to re-raise once the
+// engine has unwound.
 struct PendingError {
     std::optional<py::error_already_set> error;
-    // Takes the error from Python's error indicator.
-    void capture_indicator() {
-        if (!error) error.emplace();
-    }
     void capture(py::error_already_set&& e) {
         if (!error) error.emplace(std::move(e));
     }
@@ -103,20 +181,11 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
             }
         };
     }
-    StopCheck should_stop = [&]() {
-        py::gil_scoped_acquire gil;
-        if (PyErr_CheckSignals() != 0) {
-            pending.capture_indicator();
-            return true;
-        }
-        return false;
-    };
     GenerationResult result;
     try {
-        py::gil_scoped_release release;
-        result = engine.generate(request, text_cb, should_stop);
+        result = interruptible(engine, [&] { return engine.generate(request, text_cb); });
     } catch (...) {
-        // A Python error (Ctrl-C, a callback's exception) is the cause of whatever unwound.
+        // A callback's exception is the cause of whatever unwound.
         if (pending.error) throw std::move(*pending.error);
         throw;
     }
@@ -139,6 +208,8 @@ PYBIND11_MODULE(_core, m) {
     py::register_exception<VocabMismatchError>(m, "VocabMismatchError", PyExc_ValueError);
     py::register_exception<UnsupportedModelError>(m, "UnsupportedModelError", PyExc_RuntimeError);
     py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError);
+    py::register_exception<NonFiniteLogitsError>(m, "NonFiniteLogitsError", PyExc_RuntimeError);
+    py::register_exception<ReentrantCallError>(m, "ReentrantCallError", PyExc_RuntimeError);
 
     // The policy alone, for tests of its rules: pure arithmetic on costs and outcomes.
     py::class_<AdaptivePolicy>(m, "AdaptivePolicy")
@@ -255,8 +326,10 @@ PYBIND11_MODULE(_core, m) {
         .def(
             "calibrate",
             [](Engine& e, const std::vector<int32_t>& context) {
-                py::gil_scoped_release release;
-                e.calibrate(context);
+                interruptible(e, [&] {
+                    e.calibrate(context);
+                    return true;
+                });
             },
             py::arg("context"))
         .def("policy_state",
@@ -275,7 +348,7 @@ PYBIND11_MODULE(_core, m) {
                  return d;
              })
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
-             py::arg("draft_costs"))
+             py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
         .def("cancel", &Engine::cancel)
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {
@@ -293,16 +366,15 @@ PYBIND11_MODULE(_core, m) {
         .def(
             "next_token_logits",
             [](Engine& e, const std::vector<int32_t>& context, bool batched) {
-                py::gil_scoped_release release;
-                return e.next_token_logits(context, batched);
+                return interruptible(e, [&] { return e.next_token_logits(context, batched); });
             },
             py::arg("context"), py::arg("batched") = true)
         .def(
             "measure_decode_cost",
             [](Engine& e, const std::vector<int32_t>& context, int max_n, int repeats,
                bool on_draft) {
-                py::gil_scoped_release release;
-                return e.measure_decode_cost(context, max_n, repeats, on_draft);
+                return interruptible(
+                    e, [&] { return e.measure_decode_cost(context, max_n, repeats, on_draft); });
             },
             py::arg("context"), py::arg("max_n"), py::arg("repeats") = 5,
             py::arg("on_draft") = false)
@@ -331,6 +403,7 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_draft", &Engine::n_draft)
         .def_property_readonly("has_draft", [](const Engine& e) { return e.draft() != nullptr; })
         .def_property_readonly("has_drafter", &Engine::has_drafter)
+        .def_property_readonly("running_on_this_thread", &Engine::running_on_this_thread)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 
     m.def("set_log_verbose", &install_log_handler, py::arg("verbose"),

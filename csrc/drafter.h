@@ -24,6 +24,9 @@ struct Draft {
     // two in a step that follows a draft, more after steps without one.
     int caught_up = 0;
     double t_catch_up = 0.0;  // seconds the catching up took
+    // The draft model's logits were NaN or infinite where it would have drafted next: the
+    // draft stops there (the tokens before it are sound) and must not be trusted again.
+    bool non_finite = false;
 };
 
 // Receives, for token t of the committed text, the draft's logits for the token after

@@ -37,6 +37,30 @@ void check_supported(const Model& m) {
 
 }  // namespace
 
+// Holds the engine for one call. A second call from the thread already inside one (a callback
+// calling back in) would wait for itself forever, so it is refused at once.
+class Engine::Hold {
+  public:
+    explicit Hold(Engine& e) : e_(e) {
+        if (e.running_on_this_thread())
+            throw ReentrantCallError(
+                "the engine is already running on this thread: a callback cannot call generate, "
+                "calibrate or measure_decode_cost on the decoder that is calling it");
+        e.busy_.lock();
+        e.owner_.store(std::this_thread::get_id());
+        e.cancel_requested_.store(false);
+    }
+    ~Hold() {
+        e_.owner_.store(std::thread::id());
+        e_.busy_.unlock();
+    }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+  private:
+    Engine& e_;
+};
+
 // The state of one generate() call. The step reads top to bottom like the algorithm.
 class Generation {
   public:
@@ -95,12 +119,14 @@ class Generation {
         stats().t_prompt = seconds_since(start);
     }
 
-    // The most tokens this step may draft: bounded by the context and by what may still be
-    // emitted.
+    // The most tokens this step may draft: bounded by the context, by one decode's batch (the
+    // verify pass holds the draft and the last token) and by what may still be emitted.
     int draft_cap() const {
+        if (drafting_dropped_) return 0;
         const int room_in_context = target().n_ctx() - static_cast<int>(seq_.size());
+        const int room_in_batch = target().n_batch() - 1;
         const int still_wanted = req_.max_tokens - static_cast<int>(result_.tokens.size()) - 1;
-        int cap = std::min({Engine::kMaxDraft, room_in_context, still_wanted});
+        int cap = std::min({Engine::kMaxDraft, room_in_context, room_in_batch, still_wanted});
         if (e_.draft_) cap = std::min(cap, e_.draft_->n_ctx() - static_cast<int>(seq_.size()) + 1);
         return std::max(cap, 0);
     }
@@ -149,6 +175,12 @@ class Generation {
         target().forget_from(static_cast<llama_pos>(base_ + n_accepted));
     }
 
+    // Decodes with the target alone for the rest of this request.
+    void drop_drafting(const std::string& why) {
+        drafting_dropped_ = true;
+        stats().draft_error = why;
+    }
+
     // Greedy requests only: a look back at sampled text (unbiased estimates of each token's
     // chance of acceptance) made `auto` draft more where drafting loses (docs/adaptive.md).
     bool looks_back() const { return e_.drafter_->can_look_back() && req_.sampling.greedy(); }
@@ -160,7 +192,8 @@ class Generation {
         hindsight_.clear();
         const int n_vocab = e_.draft_->n_vocab();
         e_.drafter_->look_back(seq_, unseen_from_, [&](size_t t, const float* logits) {
-            hindsight_.push_back(argmax(logits, n_vocab) == seq_[t] ? 1.0 : 0.0);
+            const bool hit = all_finite(logits, n_vocab) && argmax(logits, n_vocab) == seq_[t];
+            hindsight_.push_back(hit ? 1.0 : 0.0);
         });
         e_.policy_.observe_hindsight(hindsight_);
         unseen_from_ = seq_.size();
@@ -179,6 +212,7 @@ class Generation {
         }
         const auto start = Clock::now();
         e_.drafter_->propose(seq_, k, req_.draft_p_min, req_.sampling, rng_, draft_);
+        if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
         stats().count_proposal(static_cast<int>(draft_.tokens.size()));
         stats().drafted_by[static_cast<int>(draft_.source)] +=
             static_cast<int>(draft_.tokens.size());
@@ -199,9 +233,16 @@ class Generation {
         stats().t_verify += seconds_since(start);
     }
 
-    // Row i of the last target decode scores the token after [.., last, d1..di].
+    // Row i of the last target decode scores the token after [.., last, d1..di]. Non-finite
+    // logits have no right answer to give, so they end the request with an error.
     const float* target_logits(size_t row) {
-        return llama_get_logits_ith(target().ctx(), static_cast<int32_t>(row));
+        const float* logits = llama_get_logits_ith(target().ctx(), static_cast<int32_t>(row));
+        if (!all_finite(logits, target().n_vocab()))
+            throw NonFiniteLogitsError(
+                "the target model " + target().path() +
+                " produced non-finite logits (NaN or Inf) for the token at position " +
+                std::to_string(base_ + row) + ": the model file or the backend is broken");
+        return logits;
     }
 
     const Distribution& target_distribution(size_t row) {
@@ -294,6 +335,7 @@ class Generation {
     TextStream text_;
     int n_draft_;
     bool adaptive_ = false;
+    bool drafting_dropped_ = false;
     std::vector<llama_token> seq_;  // prompt + committed tokens
     size_t base_ = 0;
     Draft draft_;
@@ -338,15 +380,15 @@ Engine::~Engine() = default;
 
 void Engine::decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
                              size_t end, bool logits_on_last, size_t chunk) {
+    // llama.cpp aborts the process on a decode larger than its n_batch.
+    const auto n_batch = static_cast<size_t>(model.n_batch());
+    chunk = chunk == 0 ? n_batch : std::min(chunk, n_batch);
     decode_in_chunks(batch, tokens, 0, end, 0, logits_on_last ? end - 1 : end, chunk,
                      [&](const Batch& b) { decode(model, b); });
 }
 
 void Engine::decode(Model& model, const Batch& batch) {
-    if (cancel_requested_.load() || (should_stop_ && *should_stop_ && (*should_stop_)())) {
-        cancel_requested_.store(true);
-        throw Cancelled("generation cancelled");
-    }
+    if (cancel_requested_.load()) throw Cancelled("generation cancelled");
     const int32_t rc = llama_decode(model.ctx(), batch.get());
     if (rc == 2) throw Cancelled("generation cancelled");
     if (rc == 1)
@@ -363,10 +405,10 @@ std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& 
         throw std::invalid_argument("need a context, max_n >= 1 and repeats >= 1");
     if (max_n > kMaxDraft + 1 || static_cast<int>(context.size()) + max_n > model->n_ctx())
         throw ContextOverflowError("context + max_n does not fit the context window");
-    if (static_cast<int>(context.size()) > model->n_batch())
-        throw std::invalid_argument("the context is longer than n_batch");
-    std::lock_guard<std::mutex> lock(busy_);
-    cancel_requested_.store(false);
+    if (static_cast<int>(context.size()) > model->n_batch() || max_n > model->n_batch())
+        throw std::invalid_argument("the context and max_n must each fit n_batch (" +
+                                    std::to_string(model->n_batch()) + ")");
+    Hold hold(*this);
     return measure_decode_cost_locked(context, max_n, repeats, *model);
 }
 
@@ -414,14 +456,13 @@ CostSweep Engine::cost_sweep_locked(const std::vector<llama_token>& context, int
 void Engine::calibrate(const std::vector<llama_token>& context) {
     if (!drafter_) throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
     if (context.empty()) throw std::invalid_argument("the context has no tokens");
-    std::lock_guard<std::mutex> lock(busy_);
-    cancel_requested_.store(false);
+    Hold hold(*this);
     calibrate_locked(context);
 }
 
 void Engine::set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs) {
     if (!drafter_) throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
-    std::lock_guard<std::mutex> lock(busy_);
+    Hold hold(*this);
     policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
 }
 
@@ -431,8 +472,10 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
     std::vector<llama_token> ctx(
         context.begin(), context.begin() + static_cast<long>(std::min(context.size(), kContext)));
     const int n_ctx = draft_ ? std::min(target_->n_ctx(), draft_->n_ctx()) : target_->n_ctx();
-    const int max_n =
-        std::min(AdaptivePolicy::Config{}.max_k + 1, n_ctx - static_cast<int>(ctx.size()));
+    const int n_batch =
+        draft_ ? std::min(target_->n_batch(), draft_->n_batch()) : target_->n_batch();
+    const int max_n = std::min({AdaptivePolicy::Config{}.max_k + 1,
+                                n_ctx - static_cast<int>(ctx.size()), n_batch});
     if (max_n < 2) return;  // no room to speculate; the policy stays uncalibrated
     const auto start = Clock::now();
     Batch batch(std::max(static_cast<int>(ctx.size()), max_n));
@@ -454,8 +497,7 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
     policy_.calibrate(std::move(curve.verify), std::move(curve.draft), seconds_since(start));
 }
 
-GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text,
-                                  const StopCheck& should_stop) {
+GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text) {
     validate(request.sampling);
     if (request.prompt.empty()) throw std::invalid_argument("the prompt has no tokens");
     if (request.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
@@ -473,13 +515,7 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
                                    " tokens but the context holds " + std::to_string(n_ctx) +
                                    "; raise n_ctx or shorten the prompt");
 
-    std::lock_guard<std::mutex> lock(busy_);
-    cancel_requested_.store(false);
-    should_stop_ = &should_stop;
-    struct Reset {
-        Engine* e;
-        ~Reset() { e->should_stop_ = nullptr; }
-    } reset{this};
+    Hold hold(*this);
     return Generation(*this, request, on_text).run();
 }
 
@@ -492,8 +528,7 @@ std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& con
         if (t < 0 || t >= target_->n_vocab())
             throw std::invalid_argument("token " + std::to_string(t) +
                                         " is outside the vocabulary");
-    std::lock_guard<std::mutex> lock(busy_);
-    cancel_requested_.store(false);
+    Hold hold(*this);
     target_->clear_memory();
     decode_sequence(*target_, target_batch_, context, context.size(), true, batched ? 0 : 1);
     const float* logits = llama_get_logits_ith(target_->ctx(), -1);

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "batch.h"
@@ -55,8 +56,6 @@ struct GenerationResult {
 
 // Receives text as it is committed, in order. May throw to stop generation.
 using TextCallback = std::function<void(const std::string&)>;
-// Polled between decodes; returning true stops the generation ("cancelled").
-using StopCheck = std::function<bool()>;
 
 class Engine {
   public:
@@ -67,9 +66,9 @@ class Engine {
     explicit Engine(const EngineConfig& config);
     ~Engine();
 
-    // One generation at a time: a second caller waits for the first to finish.
-    GenerationResult generate(const GenerateRequest& request, const TextCallback& on_text,
-                              const StopCheck& should_stop);
+    // One call at a time: a second caller waits for the first to finish. A call from the
+    // thread the engine is already running on (a callback) throws ReentrantCallError.
+    GenerationResult generate(const GenerateRequest& request, const TextCallback& on_text);
     // The target's logits for the token after `context`, read afresh (the cache is cleared):
     // in n_batch chunks, or one token per decode as target-only generation reads it.
     std::vector<float> next_token_logits(const std::vector<llama_token>& context, bool batched);
@@ -83,8 +82,11 @@ class Engine {
     // tokens) instead of measuring them now.
     void set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs);
     const AdaptivePolicy& policy() const { return policy_; }
-    // Thread-safe: makes the running generation (if any) stop at its next decode.
+    // Thread-safe and async-signal-safe: makes the running call (if any) stop at its next
+    // decode.
     void cancel() { cancel_requested_.store(true); }
+    // Whether the calling thread is inside one of this engine's calls (a callback is).
+    bool running_on_this_thread() const { return owner_.load() == std::this_thread::get_id(); }
 
     const Model& target() const { return *target_; }
     const Model* draft() const { return draft_.get(); }
@@ -93,6 +95,7 @@ class Engine {
 
   private:
     friend class Generation;
+    class Hold;
     std::vector<double> measure_decode_cost_locked(const std::vector<llama_token>& context,
                                                    int max_n, int repeats, Model& model);
     void calibrate_locked(const std::vector<llama_token>& context);
@@ -113,8 +116,8 @@ class Engine {
     std::unique_ptr<Drafter> drafter_;
     Batch target_batch_;
     std::mutex busy_;
+    std::atomic<std::thread::id> owner_{};  // the thread holding busy_
     std::atomic<bool> cancel_requested_{false};
-    const StopCheck* should_stop_ = nullptr;
     AdaptivePolicy policy_;
 };
 

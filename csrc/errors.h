@@ -26,6 +26,17 @@ struct ContextOverflowError : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// A model produced NaN or infinite logits: its file or the backend computing it is broken.
+struct NonFiniteLogitsError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// The engine was called again from the thread it is already running on (e.g. from a callback):
+// waiting for itself would never end.
+struct ReentrantCallError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
 // Generation was stopped by the caller (Ctrl-C, cancel(), or an exception in a callback).
 struct Cancelled : std::runtime_error {
     using std::runtime_error::runtime_error;

@@ -2,25 +2,14 @@
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <thread>
 
 #include "errors.h"
 #include "logging.h"
+#include "model_file.h"
 
 namespace specdec {
 namespace {
-
-// llama.cpp's own message for a bad file is terse or only in the log; check the obvious first.
-void check_gguf_file(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw ModelLoadError("cannot open model file: " + path);
-    char magic[4] = {0, 0, 0, 0};
-    in.read(magic, 4);
-    if (in.gcount() == 0) throw ModelLoadError("model file is empty: " + path);
-    if (in.gcount() < 4 || std::memcmp(magic, "GGUF", 4) != 0)
-        throw ModelLoadError("not a GGUF file (bad magic): " + path);
-}
 
 std::string with_reason(const std::string& what) {
     std::string reason = recent_errors();
@@ -34,8 +23,8 @@ int default_threads() {
 
 }  // namespace
 
-Model::Model(const ModelParams& params) : path_(params.path) {
-    check_gguf_file(params.path);
+Model::Model(const ModelParams& params) : path_(params.path), n_ctx_(params.n_ctx) {
+    check_model_file(params.path);
     clear_recent_errors();
 
     llama_model_params mparams = llama_model_default_params();

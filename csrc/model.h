@@ -1,6 +1,7 @@
 // RAII owner of one llama_model and its llama_context, with the vocabulary helpers around them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,7 +37,10 @@ class Model {
     const std::string& path() const { return path_; }
 
     int n_vocab() const { return llama_vocab_n_tokens(vocab_); }
-    int n_ctx() const { return static_cast<int>(llama_n_ctx(ctx_.get())); }
+    // The context asked for: llama.cpp rounds its cache up (to 256 cells), but a request is
+    // bounded by what the user set.
+    int n_ctx() const { return std::min(n_ctx_, static_cast<int>(llama_n_ctx(ctx_.get()))); }
+    // The most tokens one llama_decode takes (llama.cpp caps the asked n_batch at n_ctx).
     int n_batch() const { return static_cast<int>(llama_n_batch(ctx_.get())); }
 
     std::vector<llama_token> tokenize(const std::string& text, bool add_special,
@@ -60,6 +64,7 @@ class Model {
     std::unique_ptr<llama_context, ContextDeleter> ctx_;
     const llama_vocab* vocab_ = nullptr;
     std::string path_;
+    int n_ctx_;
 };
 
 // Why target and draft cannot be paired, or "" when they can.

@@ -67,6 +67,7 @@ void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, flo
     out.tokens.clear();
     out.q.clear();
     out.source = DraftSource::kModel;
+    out.non_finite = false;
     if (static_cast<size_t>(k) > q_.size()) q_.resize(static_cast<size_t>(k));
     const auto start = std::chrono::steady_clock::now();
     out.caught_up = catch_up(committed);
@@ -75,6 +76,10 @@ void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, flo
     const int n_vocab = model_.n_vocab();
     for (int i = 0; i < k; ++i) {
         const float* logits = llama_get_logits_ith(model_.ctx(), -1);
+        if (!all_finite(logits, n_vocab)) {
+            out.non_finite = true;
+            break;
+        }
         llama_token token;
         float confidence;
         const Distribution* q = nullptr;

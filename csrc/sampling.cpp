@@ -110,6 +110,13 @@ void validate(const SamplingParams& p) {
         throw std::invalid_argument("min_p must be in [0, 1], got " + std::to_string(p.min_p));
 }
 
+bool all_finite(const float* values, int n) {
+    // x * 0 is 0 for a finite x and NaN otherwise; a sum without branches vectorises.
+    float acc = 0.0f;
+    for (int i = 0; i < n; ++i) acc += values[i] * 0.0f;
+    return acc == 0.0f;
+}
+
 int32_t argmax(const float* logits, int n_vocab) {
     return static_cast<int32_t>(std::max_element(logits, logits + n_vocab) - logits);
 }

@@ -47,6 +47,9 @@ class Rng {
     std::mt19937_64 engine_;
 };
 
+// Whether every value is finite (no NaN, no infinity): one pass, cheap next to a decode.
+bool all_finite(const float* values, int n);
+
 int32_t argmax(const float* logits, int n_vocab);
 
 // The best token and how far the runner-up's logit is below it (one pass over the row).

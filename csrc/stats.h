@@ -16,6 +16,7 @@ struct Stats {
     int n_speculative_steps = 0;  // steps that drafted at least one token
     int n_fallback_steps = 0;     // adaptive steps that chose target-only decoding
     std::string fallback_reason;  // why, when any did ("short request", "low acceptance")
+    std::string draft_error;      // why drafting was dropped for this request ("" if it was not)
     int n_look_backs = 0;         // times the draft caught up to score fallback text
     std::vector<int> steps_at_k;  // [k]: steps that drafted k tokens
     int drafted_by[2] = {0, 0};   // by DraftSource: model, n-gram

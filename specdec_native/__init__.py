@@ -12,6 +12,8 @@ load_shared_libllama()
 from specdec_native._core import (  # noqa: E402
     ContextOverflowError,
     ModelLoadError,
+    NonFiniteLogitsError,
+    ReentrantCallError,
     UnsupportedModelError,
     VocabMismatchError,
 )
@@ -27,6 +29,8 @@ __all__ = [
     "EngineClosedError",
     "GenerationResult",
     "ModelLoadError",
+    "NonFiniteLogitsError",
+    "ReentrantCallError",
     "SpeculativeDecoder",
     "Stats",
     "UnsupportedModelError",

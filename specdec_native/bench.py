@@ -460,14 +460,28 @@ def _pooled_run(parts: Sequence[RunResult]) -> RunResult:
 
 def load_prompts(path: Path) -> dict[str, str]:
     """A text file (one prompt) or JSONL ({"name":..., "prompt":...} or {"prompt":...})."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not valid UTF-8 text") from None
     if path.suffix == ".jsonl":
-        out = {}
-        for i, line in enumerate(x for x in text.splitlines() if x.strip()):
-            obj = json.loads(line)
-            if "prompt" not in obj:
-                raise ValueError(f"{path}: line {i + 1} has no 'prompt'")
-            out[str(obj.get("name", f"p{i}"))] = str(obj["prompt"])
+        out: dict[str, str] = {}
+        for i, line in enumerate(text.splitlines()):
+            if not line.strip():
+                continue
+            where = f"{path}: line {i + 1}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{where} needs an object with a string 'prompt'")
+            if not obj["prompt"].strip():
+                raise ValueError(f"{where} has an empty prompt")
+            name = str(obj.get("name", f"p{len(out)}"))
+            if name in out:
+                raise ValueError(f"{where} repeats the prompt name {name!r}")
+            out[name] = obj["prompt"]
         if not out:
             raise ValueError(f"{path} has no prompts")
         return out

@@ -7,6 +7,7 @@ import os
 import queue
 import random
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from specdec_native import _core, calibration
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT = 64
+INT32_MAX = (1 << 31) - 1  # the engine's counts and token ids are 32-bit
 AUTO = "auto"
 NGRAM = "ngram"  # as the draft: propose from n-gram matches in the context, no draft model
 DraftLength = Union[int, str]  # a fixed K, or "auto"
@@ -38,6 +40,7 @@ class Stats:
     n_speculative_steps: int
     n_fallback_steps: int
     fallback_reason: str
+    draft_error: str  # why drafting was dropped for this request ("" when it was not)
     n_look_backs: int
     steps_at_k: list[int]
     drafted_by_model: int
@@ -111,12 +114,11 @@ class GenerationResult:
         }
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+def _check_int(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
     return value
 
 
@@ -138,11 +140,18 @@ def _is_auto(n_draft: Any) -> bool:
 
 
 def _check_model_path(name: str, path: PathLike) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path, got {type(path).__name__}")
     p = Path(os.fspath(path))
-    if not p.exists():
-        raise FileNotFoundError(f"{name} model not found: {p}")
-    if not p.is_file():
-        raise ValueError(f"{name} model is not a file: {p}")
+    try:
+        if not p.exists():
+            raise FileNotFoundError(f"{name} model not found: {p}")
+        if not p.is_file():
+            raise ValueError(f"{name} model is not a file: {p}")
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise ValueError(f"{name} model path cannot be used ({e.strerror}): {p}") from None
     return str(p)
 
 
@@ -295,17 +304,23 @@ class SpeculativeDecoder:
         return self._live().tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self._live().detokenize(list(tokens))
+        return self._live().detokenize([_check_int("token", t, 0) for t in tokens])
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
     ) -> str:
         """Formats messages ([{"role": ..., "content": ...}]) with the model's own template."""
         pairs = []
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("each message must be a dict with 'role' and 'content'")
-            pairs.append((str(m["role"]), str(m["content"])))
+            for key in ("role", "content"):
+                value = m[key]
+                if not isinstance(value, str):
+                    raise TypeError(f"message {i}'s {key} must be a string, got {value!r}")
+                if "\0" in value:
+                    raise ValueError(f"message {i}'s {key} contains a NUL character")
+            pairs.append((m["role"], m["content"]))
         if not pairs:
             raise ValueError("messages must not be empty")
         return self._live().apply_chat_template(pairs, add_generation_prompt)
@@ -361,6 +376,12 @@ class SpeculativeDecoder:
     # -- generation ------------------------------------------------------------------------
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise TypeError("the prompt must be str or a list of token ids, not bytes: decode it")
+        if not isinstance(prompt, (str, Sequence)):
+            raise TypeError(
+                f"the prompt must be str or a list of token ids, got {type(prompt).__name__}"
+            )
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("the prompt is empty")
@@ -432,6 +453,12 @@ class SpeculativeDecoder:
             adaptive,
             p_min,
         )
+        if out["stats"]["draft_error"]:
+            warnings.warn(
+                f"drafting was dropped for this request: {out['stats']['draft_error']}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         result = GenerationResult(
             text=out["text"],
             tokens=list(out["tokens"]),
@@ -455,6 +482,11 @@ class SpeculativeDecoder:
         if "on_text" in kwargs:
             raise ValueError("stream() does not take on_text")
         engine = self._live()
+        if engine.running_on_this_thread:
+            # The worker would wait for the generation this thread is running, and it for us.
+            raise _core.ReentrantCallError(
+                "stream() called from inside a generation of the same decoder (a callback)"
+            )
         pieces: queue.Queue[tuple[str, Any]] = queue.Queue()
         done = threading.Event()
 

@@ -18,6 +18,7 @@ Generated pairs:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -43,6 +44,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Tensors whose output is added to the residual stream: scaling them scales a layer's effect.
 RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight")
+MAX_LAYERS = 512  # llama.cpp's limit on a model's block count
 
 
 def _quiet(_: str) -> None:
@@ -301,7 +303,15 @@ def build_deep_pair(
         raise ValueError("extra_copies must be >= 1")
     if not 0 < epsilon <= 1:
         raise ValueError("epsilon must be in (0, 1]")
+    if draft_skip < 0:
+        raise ValueError("draft_skip must be >= 0")
     source = source or fetch_smollm2(progress=progress)
+    n_layer = _block_count(source)
+    if (1 + extra_copies) * n_layer > MAX_LAYERS:
+        raise ValueError(
+            f"a target of {1 + extra_copies} x {n_layer} layers is over llama.cpp's "
+            f"{MAX_LAYERS}; use at most {MAX_LAYERS // n_layer - 1} copies"
+        )
     out_dir = out_dir or cache_dir()
     stem = source.name.removesuffix(".gguf")
     target = out_dir / f"{stem}.deep{1 + extra_copies}x-eps{epsilon:g}.{quant}.gguf"
@@ -418,6 +428,8 @@ def write_tiny_model(
 
 def build_tiny_pair(out_dir: Path, *, seed: int = 0, draft_noise: float = 1.0) -> ModelPair:
     """A tiny target and a draft equal to it but for noise of scale ``draft_noise`` on the head."""
+    if not (math.isfinite(draft_noise) and draft_noise >= 0):
+        raise ValueError(f"draft_noise must be a finite number >= 0, got {draft_noise}")
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"tiny-{seed}.gguf"
     draft = out_dir / f"tiny-{seed}-draft{draft_noise:g}.gguf"
