@@ -485,7 +485,8 @@ class SpeculativeDecoder:
         if engine.running_on_this_thread:
             # The worker would wait for the generation this thread is running, and it for us.
             raise _core.ReentrantCallError(
-                "stream() called from inside a generation of the same decoder (a callback)"
+                "the engine is already running on this thread: a callback cannot call stream "
+                "on the decoder that is calling it"
             )
         pieces: queue.Queue[tuple[str, Any]] = queue.Queue()
         done = threading.Event()

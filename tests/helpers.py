@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
 
 import specdec_native as sd
 
@@ -46,3 +50,29 @@ def assert_stats_add_up(stats: sd.Stats, n_tokens: int) -> None:
     # Acceptance at position i needs acceptance at every position before it.
     assert all(x >= y for x, y in zip(stats.accepted_at, stats.accepted_at[1:]))
     assert stats.t_total >= stats.t_prompt + stats.t_draft
+
+
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    *,
+    metadata: dict[str, Any] | None = None,
+    tensors: Callable[[str, np.ndarray], np.ndarray] | None = None,
+) -> Path:
+    """A copy of the f32 GGUF ``src`` with some metadata values replaced (each keeps its type)
+    and each tensor passed through ``tensors(name, array)``: a model damaged on purpose."""
+    import gguf
+
+    from specdec_native.models import _as_float, _copy_metadata
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    _copy_metadata(reader, writer, dict(metadata or {}))
+    for t in reader.tensors:
+        arr = _as_float(t)
+        writer.add_tensor(t.name, tensors(t.name, arr) if tensors else arr)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

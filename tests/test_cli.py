@@ -100,14 +100,135 @@ def test_user_errors_are_one_line(
         ("run", tiny_pair.target, "--top-p", "2", "-p", "x"),
         ("run", tiny_pair.target, "-k", "-2", "-p", "x"),
         ("run", tiny_pair.target, "-k", "lots", "-p", "x"),
-        ("run", tiny_pair.target, "--draft", "ngram", "--ngram-min", "3", "--ngram-max", "2"),
+        (
+            "run",
+            tiny_pair.target,
+            "--draft",
+            "ngram",
+            "--ngram-min",
+            "3",
+            "--ngram-max",
+            "2",
+            "-p",
+            "x",
+        ),
     ]
     for args in cases:
-        r = run_cli(*map(str, args))
-        assert r.returncode != 0, args
-        assert "Traceback" not in r.stderr, r.stderr
-        assert r.stderr.strip().startswith("Error:"), r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert_one_line_error(run_cli(*map(str, args)))
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess[str], match: str = "") -> None:
+    assert r.returncode not in (0, None) and r.returncode > 0, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    # click's usage errors (exit 2) add its usage and help hint above the error line.
+    lines = [
+        x for x in r.stderr.splitlines() if x.strip() and not x.startswith(("Usage:", "Try '"))
+    ]
+    assert len(lines) == 1 and lines[0].startswith("Error:"), r.stderr
+    assert match in r.stderr, r.stderr
+
+
+LONG = "x" * 300  # a file name over the usual 255-byte limit
+
+
+@pytest.mark.parametrize(
+    "args,stdin,match",
+    [
+        (("-n", "2147483648"), None, "max_tokens must be in"),
+        (("--top-k", "2147483648"), None, "top_k must be in"),
+        (("-ngl", str(10**12)), None, "n_gpu_layers must be in"),
+        (("-k", str(2**40)), None, "-k/--draft-max must be in"),
+        ((), "", "standard input is empty"),
+        ((), "  \n\t ", "standard input is empty"),
+        (("-f", LONG), None, ""),
+    ],
+)
+def test_bad_run_input_is_one_line(
+    tiny_pair: models.ModelPair, args: tuple[str, ...], stdin: str | None, match: str
+) -> None:
+    prompt = () if stdin is not None or "-f" in args else ("-p", "the")
+    r = run_cli("run", tiny_pair.target, *prompt, *args, stdin=stdin or "")
+    assert_one_line_error(r, match)
+
+
+def test_a_model_path_too_long(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("run", tmp_path / (LONG + ".gguf"), "-p", "x"))
+
+
+def test_an_empty_prompt_file(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    f = tmp_path / "empty.txt"
+    f.write_text("\n")
+    assert_one_line_error(run_cli("run", tiny_pair.target, "-f", f), "is empty")
+
+
+def test_tiny_pair_refuses_nan_noise(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("models", "tiny-pair", "--out", tmp_path, "--noise", "nan"))
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        ("not json", "line 2 is not JSON"),
+        ("[1, 2]", "line 2 needs an object"),
+        ('{"prompt": 5}', "line 2 needs an object"),
+        ('{"name": "a", "prompt": "again"}', "repeats the prompt name"),
+    ],
+)
+def test_bad_bench_prompt_lines(
+    tiny_pair: models.ModelPair, tmp_path: Path, line: str, match: str
+) -> None:
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"name": "a", "prompt": "the cat"}\n' + line + "\n")
+    r = run_cli("bench", tiny_pair.target, "--draft", tiny_pair.draft, "--prompts", f, "-r", "1")
+    assert_one_line_error(r, match)
+
+
+def run_with_stdout(stdout: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI with its standard output redirected by the shell (e.g. '>/dev/full', '>&-')."""
+    cmd = " ".join(["exec", *(f"'{a}'" for a in [*CLI, *args]), stdout])
+    return subprocess.run(
+        ["bash", "-c", cmd], capture_output=False, stderr=subprocess.PIPE, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("redirect,match", [(">/dev/full", "no space"), (">&-", "closed")])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_output_that_cannot_be_written_is_one_line(
+    tiny_pair: models.ModelPair, redirect: str, match: str, as_json: bool
+) -> None:
+    args = ["run", str(tiny_pair.target), "-p", "the", "-n", "8", *(["--json"] if as_json else [])]
+    assert_one_line_error(run_with_stdout(redirect, *args), match)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--no-draft", "-c", "16", "-n", "40"),
+        ("-c", "16", "-k", "20"),
+        ("-b", "16", "-k", "20"),
+        ("-b", "1"),
+        ("-b", "8"),
+    ],
+)
+def test_small_batches_and_contexts_generate(
+    deep_pair: models.ModelPair, args: tuple[str, ...]
+) -> None:
+    draft = () if "--no-draft" in args else ("--draft", deep_pair.draft)
+    r = run_cli(
+        "run", deep_pair.target, *draft, "-p", "1, 2, 3, 4, 5,", "-n", "24", *args, "--json"
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] in ("length", "context")
+    assert out["stats"]["n_generated"] == len(out["tokens"]) > 0
+
+
+def test_a_prompt_longer_than_the_context(deep_pair: models.ModelPair, tmp_path: Path) -> None:
+    f = tmp_path / "long.txt"
+    f.write_text(" ".join(["word"] * 400))
+    r = run_cli("run", deep_pair.draft, "--no-draft", "-c", "300", "-f", f, "-n", "4")
+    assert_one_line_error(r, "the prompt has 400 tokens but the context holds 300")
 
 
 def test_info_reports_pair_verdict(

@@ -107,3 +107,86 @@ def test_use_after_close(tiny_pair: models.ModelPair) -> None:
         dec.generate("the", 3)
     with pytest.raises(sd.EngineClosedError):
         dec.tokenize("the")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 2**31},
+        {"top_k": 2**31},
+        {"max_tokens": 10**30},
+        {"n_draft": 2**40},
+        {"seed": 2**64},
+    ],
+)
+def test_integers_beyond_the_engines_range(
+    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict
+) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match="must be in"):
+        tiny_decoder.generate("the", **{"max_tokens": 3, **kwargs})
+
+
+def test_prompt_token_beyond_int32(tiny_decoder: sd.SpeculativeDecoder) -> None:
+    with pytest.raises(ValueError, match="prompt token"):
+        tiny_decoder.generate([1, 2**40], 3)
+    with pytest.raises(ValueError, match="token"):
+        tiny_decoder.detokenize([2**40])
+
+
+@pytest.mark.parametrize("kwargs", [{"n_gpu_layers": 10**12}, {"draft_n_gpu_layers": 2**31}])
+def test_constructor_integers_beyond_int32(tiny_pair: models.ModelPair, kwargs: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match="must be in"):
+        sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, **kwargs)
+
+
+@pytest.mark.parametrize("prompt", [b"Hello", bytearray(b"Hi"), memoryview(b"Hi")])
+def test_bytes_are_not_token_ids(tiny_decoder: sd.SpeculativeDecoder, prompt: object) -> None:
+    with pytest.raises(TypeError, match="not bytes"):
+        tiny_decoder.generate(prompt, 3)  # type: ignore[arg-type]
+
+
+def test_a_prompt_of_another_type(tiny_decoder: sd.SpeculativeDecoder) -> None:
+    with pytest.raises(TypeError, match="got int"):
+        tiny_decoder.generate(42, 3)  # type: ignore[arg-type]
+
+
+def test_a_path_too_long_for_the_file_system(tmp_path: Path) -> None:
+    with pytest.raises((FileNotFoundError, ValueError)):
+        sd.SpeculativeDecoder(tmp_path / ("x" * 300 + ".gguf"))
+
+
+def test_a_model_path_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="must be a path"):
+        sd.SpeculativeDecoder(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "message,error,match",
+    [
+        ({"role": "user", "content": None}, TypeError, "content must be a string"),
+        ({"role": None, "content": "hi"}, TypeError, "role must be a string"),
+        ({"role": "user", "content": 5}, TypeError, "content must be a string"),
+        ({"role": "user", "content": "a\0b"}, ValueError, "NUL"),
+    ],
+)
+def test_bad_chat_messages(
+    smollm2_q40: Path,
+    message: dict,
+    error: type,
+    match: str,  # type: ignore[type-arg]
+) -> None:
+    with sd.SpeculativeDecoder(smollm2_q40, n_ctx=256) as dec:
+        with pytest.raises(error, match=match):
+            dec.apply_chat_template([message])
+
+
+def test_noise_must_be_finite(tmp_path: Path) -> None:
+    for noise in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="draft_noise"):
+            models.build_tiny_pair(tmp_path, draft_noise=noise)
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_a_deep_target_over_llamas_layer_limit(smollm2: Path) -> None:
+    with pytest.raises(ValueError, match="over llama.cpp's 512"):
+        models.build_deep_pair(smollm2, extra_copies=100)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import specdec_native as sd
 from specdec_native import models
 
 MAPPED = "sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libllama' in l})"
@@ -122,3 +123,53 @@ def test_bad_input_corpus_never_crashes(tiny_pair: models.ModelPair, tmp_path: P
         result["ok"] + result["errors"] == result["cases"]
     )  # every case returned or raised cleanly
     assert result["ok"] > 0 and result["errors"] > 0
+
+
+def test_generation_does_not_wait_for_a_busy_python_thread(tiny_pair: models.ModelPair) -> None:
+    """The decode loop never takes the GIL: a Python thread that holds it for seconds (a
+    server's event loop, busy) does not stall a generation running beside it."""
+    import threading
+
+    busy_seconds = 3.0
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, tiny_pair.draft, n_draft=3, n_ctx=2048, n_threads=1
+    ) as dec:
+        out: dict[str, sd.GenerationResult] = {}
+        worker = threading.Thread(target=lambda: out.update(r=dec.generate([1, 300, 270], 600)))
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(60.0)  # nobody takes the GIL from the busy loop below
+        try:
+            worker.start()
+            time.sleep(0.05)  # the worker enters the engine and lets go of the GIL
+            assert worker.is_alive(), "the generation ended before the busy spell began"
+            until = time.monotonic() + busy_seconds
+            while time.monotonic() < until:
+                pass
+        finally:
+            sys.setswitchinterval(old)
+        worker.join(60)
+    r = out["r"]
+    assert len(r.tokens) == 600
+    # Taking the GIL on any decode would have waited for the whole busy spell.
+    assert r.stats.t_total < busy_seconds / 2, r.stats.t_total
+
+
+def test_two_quick_ctrl_c_exit_130_with_one_line(deep_pair: models.ModelPair) -> None:
+    cmd = [sys.executable, "-m", "cli.main", "run", str(deep_pair.target), "--draft"]
+    cmd += [str(deep_pair.draft), "-k", "3", "-n", "2000", "-p", "Once upon a time"]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=Path(__file__).parent.parent,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(1)  # generating
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    assert rc == 130, err
+    assert err.strip() == "interrupted", err
