@@ -5,7 +5,8 @@ waits for the busy thread to let go of it (up to Python's 5 ms switch interval).
 
     .venv/bin/python scripts/bench_busy_thread.py [--rounds 5] [-n 64] [TARGET DRAFT]
 
-Without TARGET/DRAFT it runs the default pair and the tiny pair, K = 3, one llama thread. Each
+Without TARGET/DRAFT it runs the default pair (also with the text going to an on_text callback,
+as stream() does) and the tiny pair, K = 3, one llama thread. Each
 round runs both conditions back to back (alternating which goes first), so a slow spell of the
 machine lands on both.
 """
@@ -22,7 +23,9 @@ import specdec_native as sd
 from specdec_native import models
 
 
-def tokens_per_second(dec: sd.SpeculativeDecoder, prompt: str, n: int, busy: bool) -> float:
+def tokens_per_second(
+    dec: sd.SpeculativeDecoder, prompt: str, n: int, busy: bool, stream: bool
+) -> float:
     stop = threading.Event()
 
     def spin() -> None:
@@ -34,7 +37,11 @@ def tokens_per_second(dec: sd.SpeculativeDecoder, prompt: str, n: int, busy: boo
     if busy:
         thread.start()
     try:
-        r = dec.generate(prompt, n, n_draft=3)
+        if stream:  # the text goes through a callback, which takes the GIL once per piece
+            pieces: list[str] = []
+            r = dec.generate(prompt, n, n_draft=3, on_text=pieces.append)
+        else:
+            r = dec.generate(prompt, n, n_draft=3)
     finally:
         stop.set()
         if busy:
@@ -42,7 +49,7 @@ def tokens_per_second(dec: sd.SpeculativeDecoder, prompt: str, n: int, busy: boo
     return r.stats.tokens_per_second
 
 
-def bench(name: str, target: Path, draft: Path, rounds: int, n: int) -> None:
+def bench(name: str, target: Path, draft: Path, rounds: int, n: int, stream: bool = False) -> None:
     prompt = "Once upon a time, in a small village by the sea,"
     with sd.SpeculativeDecoder(target, draft, n_draft=3, n_ctx=2048, n_threads=1) as dec:
         dec.generate(prompt, 8)  # warm-up
@@ -51,7 +58,8 @@ def bench(name: str, target: Path, draft: Path, rounds: int, n: int) -> None:
         for r in range(rounds):
             order = [False, True] if r % 2 == 0 else [True, False]
             for is_busy in order:
-                (busy if is_busy else alone).append(tokens_per_second(dec, prompt, n, is_busy))
+                speed = tokens_per_second(dec, prompt, n, is_busy, stream)
+                (busy if is_busy else alone).append(speed)
     a, b = statistics.median(alone), statistics.median(busy)
     ratios = [y / x for x, y in zip(alone, busy)]
     print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.2f} | {min(ratios):.2f}-{max(ratios):.2f} |")
@@ -71,6 +79,7 @@ def main() -> None:
         return
     pair = models.default_pair()
     bench("default (deep) pair", pair.target, pair.draft, args.rounds, args.n)
+    bench("default pair, text to a callback", pair.target, pair.draft, args.rounds, args.n, True)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = models.build_tiny_pair(Path(tmp), draft_noise=0.5)
         bench("tiny pair", tiny.target, tiny.draft, args.rounds, 8 * args.n)
