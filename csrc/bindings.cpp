@@ -32,6 +32,7 @@ py::str to_str(const std::string& s) {
 py::dict stats_dict(const Stats& s) {
     py::dict d;
     d["n_prompt"] = s.n_prompt;
+    d["n_prompt_cached"] = s.n_prompt_cached;
     d["n_generated"] = s.n_generated;
     d["n_target_passes"] = s.n_target_passes;
     d["n_drafted"] = s.n_drafted;
@@ -49,7 +50,9 @@ py::dict stats_dict(const Stats& s) {
     d["accepted_by_ngram"] = s.accepted_by[1];
     d["accepted_at"] = s.accepted_at;
     d["proposed_at"] = s.proposed_at;
+    d["t_queue"] = s.t_queue;
     d["t_prompt"] = s.t_prompt;
+    d["t_first_token"] = s.t_first_token;
     d["t_draft"] = s.t_draft;
     d["t_verify"] = s.t_verify;
     d["t_total"] = s.t_total;
@@ -279,6 +282,11 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("verify_costs", &AdaptivePolicy::verify_costs)
         .def_property_readonly("draft_costs", &AdaptivePolicy::draft_costs);
 
+    py::class_<CancelFlag, std::shared_ptr<CancelFlag>>(m, "CancelFlag")
+        .def(py::init<>())
+        .def("cancel", [](CancelFlag& f) { f.requested.store(true); })
+        .def_property_readonly("cancelled", [](const CancelFlag& f) { return f.requested.load(); });
+
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
                          int n_draft, int n_ctx, int n_batch, int n_threads, int n_gpu_layers,
@@ -306,7 +314,8 @@ PYBIND11_MODULE(_core, m) {
             [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
                int top_k, float top_p, float min_p, uint64_t seed,
                const std::vector<std::string>& stop, int n_draft, const py::object& on_text,
-               bool adaptive, float draft_p_min, bool wrong_residual_for_tests) {
+               bool adaptive, float draft_p_min, double timeout,
+               const std::shared_ptr<CancelFlag>& cancel, bool wrong_residual_for_tests) {
                 GenerateRequest r;
                 r.prompt = prompt;
                 r.max_tokens = max_tokens;
@@ -316,13 +325,16 @@ PYBIND11_MODULE(_core, m) {
                 r.n_draft = n_draft;
                 r.adaptive = adaptive;
                 r.draft_p_min = draft_p_min;
+                r.timeout = timeout;
+                r.cancel = cancel;
                 r.wrong_residual_for_tests = wrong_residual_for_tests;
                 return run_generate(e, std::move(r), on_text);
             },
             py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature"), py::arg("top_k"),
             py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("stop"),
             py::arg("n_draft"), py::arg("on_text") = py::none(), py::arg("adaptive") = false,
-            py::arg("draft_p_min") = 0.0f, py::arg("wrong_residual_for_tests") = false)
+            py::arg("draft_p_min") = 0.0f, py::arg("timeout") = 0.0,
+            py::arg("cancel") = nullptr, py::arg("wrong_residual_for_tests") = false)
         .def(
             "calibrate",
             [](Engine& e, const std::vector<int32_t>& context) {

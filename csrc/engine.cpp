@@ -25,7 +25,13 @@ double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-bool abort_requested(void* data) { return static_cast<std::atomic<bool>*>(data)->load(); }
+using Deadline = std::optional<Clock::time_point>;
+
+Deadline deadline_after(Clock::time_point start, double seconds) {
+    if (seconds <= 0) return std::nullopt;
+    return start + std::chrono::duration_cast<Clock::duration>(
+                       std::chrono::duration<double>(seconds));
+}
 
 void check_supported(const Model& m) {
     if (llama_model_is_recurrent(m.model()) || llama_model_is_hybrid(m.model()))
@@ -37,20 +43,30 @@ void check_supported(const Model& m) {
 
 }  // namespace
 
-// Holds the engine for one call. A second call from the thread already inside one (a callback
-// calling back in) would wait for itself forever, so it is refused at once.
+// Holds the engine for one call, with that call's stop conditions. A second call from the
+// thread already inside one (a callback calling back in) would wait for itself forever, so it
+// is refused at once. While it waits, a cancel throws Cancelled and the deadline TimedOut.
 class Engine::Hold {
   public:
-    explicit Hold(Engine& e) : e_(e) {
+    explicit Hold(Engine& e, std::shared_ptr<CancelFlag> cancel = nullptr, Deadline deadline = {})
+        : e_(e) {
         if (e.running_on_this_thread())
             throw ReentrantCallError(
                 "the engine is already running on this thread: a callback cannot call generate, "
                 "calibrate or measure_decode_cost on the decoder that is calling it");
-        e.busy_.lock();
+        while (!e.busy_.try_lock_for(std::chrono::milliseconds(10))) {
+            if (cancel && cancel->requested.load()) throw Cancelled("cancelled while waiting");
+            if (deadline && Clock::now() >= *deadline)
+                throw TimedOut("timed out waiting for the engine");
+        }
         e.owner_.store(std::this_thread::get_id());
         e.cancel_requested_.store(false);
+        e.request_cancel_ = std::move(cancel);
+        e.deadline_ = deadline;
     }
     ~Hold() {
+        e_.request_cancel_.reset();
+        e_.deadline_.reset();
         e_.owner_.store(std::thread::id());
         e_.busy_.unlock();
     }
@@ -64,8 +80,10 @@ class Engine::Hold {
 // The state of one generate() call. The step reads top to bottom like the algorithm.
 class Generation {
   public:
-    Generation(Engine& engine, const GenerateRequest& request, const TextCallback& on_text)
+    Generation(Engine& engine, const GenerateRequest& request, const TextCallback& on_text,
+               Clock::time_point called)
         : e_(engine),
+          called_(called),
           req_(request),
           on_text_(on_text),
           rng_(request.seed),
@@ -81,12 +99,17 @@ class Generation {
     }
 
     GenerationResult run() {
+        stats().t_queue = seconds_since(called_);
+        stats().n_prompt = static_cast<int>(req_.prompt.size());
         try {
             // Calibration is a one-time cost of the engine, not of this generation.
             if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
             if (adaptive_) e_.policy_.begin_generation(looks_back(), !req_.sampling.greedy());
         } catch (const Cancelled&) {
             result_.finish_reason = "cancelled";
+            return std::move(result_);
+        } catch (const TimedOut&) {
+            result_.finish_reason = "timeout";
             return std::move(result_);
         }
         const auto start = Clock::now();
@@ -95,6 +118,8 @@ class Generation {
             while (result_.finish_reason.empty()) step();
         } catch (const Cancelled&) {
             result_.finish_reason = "cancelled";
+        } catch (const TimedOut&) {
+            result_.finish_reason = "timeout";
         }
         emit(text_.flush());
         result_.stats.n_generated = static_cast<int>(result_.tokens.size());
@@ -109,11 +134,12 @@ class Generation {
     void prefill() {
         const auto start = Clock::now();
         seq_ = req_.prompt;
-        stats().n_prompt = static_cast<int>(seq_.size());
         // The target's cache holds all committed tokens but the last, which each step decodes
-        // together with the draft.
-        target().clear_memory();
-        e_.decode_sequence(target(), e_.target_batch_, seq_, seq_.size() - 1, false, 0);
+        // together with the draft. What it already holds of them (the previous request's
+        // prefix: a chat's earlier turns) is kept.
+        const size_t cached = target().keep_common_prefix(seq_, seq_.size() - 1);
+        stats().n_prompt_cached = static_cast<int>(cached);
+        e_.decode_sequence(target(), e_.target_batch_, seq_, cached, seq_.size() - 1, false, 0);
         if (e_.drafter_) e_.drafter_->begin(seq_);
         unseen_from_ = seq_.size();
         stats().t_prompt = seconds_since(start);
@@ -310,6 +336,7 @@ class Generation {
             result_.finish_reason = "stop";
             return 0;
         }
+        if (result_.tokens.empty()) stats().t_first_token = seconds_since(called_);
         seq_.push_back(token);
         result_.tokens.push_back(token);
         if (req_.sampling.greedy()) result_.margins.push_back(margin);
@@ -329,6 +356,7 @@ class Generation {
     }
 
     Engine& e_;
+    const Clock::time_point called_;
     const GenerateRequest& req_;
     const TextCallback& on_text_;
     Rng rng_;
@@ -356,7 +384,7 @@ Engine::Engine(const EngineConfig& config)
         throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
     target_ = std::make_unique<Model>(config.target);
     check_supported(*target_);
-    llama_set_abort_callback(target_->ctx(), abort_requested, &cancel_requested_);
+    llama_set_abort_callback(target_->ctx(), abort_requested, this);
     if (config.draft) {
         draft_ = std::make_unique<Model>(*config.draft);
         check_supported(*draft_);
@@ -364,7 +392,7 @@ Engine::Engine(const EngineConfig& config)
         if (!why.empty())
             throw VocabMismatchError("target " + target_->path() + " and draft " + draft_->path() +
                                      " cannot be paired: " + why);
-        llama_set_abort_callback(draft_->ctx(), abort_requested, &cancel_requested_);
+        llama_set_abort_callback(draft_->ctx(), abort_requested, this);
         drafter_ = std::make_unique<ModelDrafter>(
             *draft_, kMaxDraft, [this](Model& m, const Batch& b) { decode(m, b); });
     }
@@ -379,17 +407,24 @@ Engine::Engine(const EngineConfig& config)
 Engine::~Engine() = default;
 
 void Engine::decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
-                             size_t end, bool logits_on_last, size_t chunk) {
+                             size_t from, size_t end, bool logits_on_last, size_t chunk) {
     // llama.cpp aborts the process on a decode larger than its n_batch.
     const auto n_batch = static_cast<size_t>(model.n_batch());
     chunk = chunk == 0 ? n_batch : std::min(chunk, n_batch);
-    decode_in_chunks(batch, tokens, 0, end, 0, logits_on_last ? end - 1 : end, chunk,
+    decode_in_chunks(batch, tokens, from, end, static_cast<llama_pos>(from),
+                     logits_on_last ? end - 1 : end, chunk,
                      [&](const Batch& b) { decode(model, b); });
 }
 
 void Engine::decode(Model& model, const Batch& batch) {
-    if (cancel_requested_.load()) throw Cancelled("generation cancelled");
+    if (stop_requested()) throw Cancelled("generation cancelled");
+    if (deadline_ && Clock::now() >= *deadline_) throw TimedOut("the request's deadline passed");
     const int32_t rc = llama_decode(model.ctx(), batch.get());
+    if (rc == 0) {
+        model.note_decoded(batch.get());
+        return;
+    }
+    model.clear_memory();  // a failed decode may leave part of the batch in the cache
     if (rc == 2) throw Cancelled("generation cancelled");
     if (rc == 1)
         throw ContextOverflowError("no room in the KV cache of " + model.path() +
@@ -416,7 +451,7 @@ std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_t
                                                        int max_n, int repeats, Model& model) {
     model.clear_memory();
     Batch batch(std::max(static_cast<int>(context.size()), max_n));
-    decode_sequence(model, batch, context, context.size(), false, 0);
+    decode_sequence(model, batch, context, 0, context.size(), false, 0);
     // Whole sweeps over n, repeated: a slow spell on a shared machine then lands on every n
     // alike instead of inflating one n's cost (which the policy would never re-measure).
     std::vector<std::vector<double>> samples(static_cast<size_t>(max_n));
@@ -482,7 +517,7 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
     for (Model* model : {target_.get(), draft_.get()}) {
         if (!model) continue;  // an n-gram draft costs a few hash lookups: nothing next to a decode
         model->clear_memory();
-        decode_sequence(*model, batch, ctx, ctx.size(), false, 0);
+        decode_sequence(*model, batch, ctx, 0, ctx.size(), false, 0);
         time_decode_locked(*model, batch, ctx, 1);  // warm-up: first decodes pay for setup
     }
     // Whole sweeps, both models in each, until one more finds no decode faster (a busy machine
@@ -515,8 +550,20 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
                                    " tokens but the context holds " + std::to_string(n_ctx) +
                                    "; raise n_ctx or shorten the prompt");
 
-    Hold hold(*this);
-    return Generation(*this, request, on_text).run();
+    const auto called = Clock::now();
+    std::optional<Hold> hold;
+    try {
+        hold.emplace(*this, request.cancel, deadline_after(called, request.timeout));
+    } catch (const std::runtime_error& e) {
+        const bool timed_out = dynamic_cast<const TimedOut*>(&e) != nullptr;
+        if (!timed_out && !dynamic_cast<const Cancelled*>(&e)) throw;
+        GenerationResult result;
+        result.finish_reason = timed_out ? "timeout" : "cancelled";
+        result.stats.n_prompt = static_cast<int>(request.prompt.size());
+        result.stats.t_queue = seconds_since(called);
+        return result;
+    }
+    return Generation(*this, request, on_text, called).run();
 }
 
 std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& context,
@@ -530,7 +577,7 @@ std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& con
                                         " is outside the vocabulary");
     Hold hold(*this);
     target_->clear_memory();
-    decode_sequence(*target_, target_batch_, context, context.size(), true, batched ? 0 : 1);
+    decode_sequence(*target_, target_batch_, context, 0, context.size(), true, batched ? 0 : 1);
     const float* logits = llama_get_logits_ith(target_->ctx(), -1);
     return std::vector<float>(logits, logits + target_->n_vocab());
 }

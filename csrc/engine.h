@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -31,6 +32,11 @@ struct EngineConfig {
     bool verbose = false;
 };
 
+// Set from any thread to stop one request ("cancelled"), whether it runs or still waits.
+struct CancelFlag {
+    std::atomic<bool> requested{false};
+};
+
 struct GenerateRequest {
     std::vector<llama_token> prompt;
     int max_tokens = 128;
@@ -40,6 +46,8 @@ struct GenerateRequest {
     int n_draft = -1;          // -1: the engine's default
     bool adaptive = false;     // choose K each step from measured costs (n_draft is then ignored)
     float draft_p_min = 0.0f;  // stop drafting when the draft's probability falls below this
+    double timeout = 0.0;      // seconds from the call after which it ends ("timeout"); 0: never
+    std::shared_ptr<CancelFlag> cancel;  // may be null
     // Test-only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
     // wrong rule, so the distribution tests can show that they catch it.
     bool wrong_residual_for_tests = false;
@@ -48,7 +56,7 @@ struct GenerateRequest {
 struct GenerationResult {
     std::vector<llama_token> tokens;
     std::string text;
-    std::string finish_reason;  // "stop", "length", "context", "cancelled"
+    std::string finish_reason;  // "stop", "length", "context", "cancelled", "timeout"
     // Greedy only: for each token, the target's top-1 minus top-2 logit where it was chosen.
     std::vector<float> margins;
     Stats stats;
@@ -96,6 +104,14 @@ class Engine {
   private:
     friend class Generation;
     class Hold;
+    // Whether the running call must stop: cancel(), or its own request's flag.
+    bool stop_requested() const {
+        return cancel_requested_.load() || (request_cancel_ && request_cancel_->requested.load());
+    }
+    // llama.cpp's abort callback: lets a long decode stop part-way.
+    static bool abort_requested(void* engine) {
+        return static_cast<const Engine*>(engine)->stop_requested();
+    }
     std::vector<double> measure_decode_cost_locked(const std::vector<llama_token>& context,
                                                    int max_n, int repeats, Model& model);
     void calibrate_locked(const std::vector<llama_token>& context);
@@ -105,19 +121,22 @@ class Engine {
     // Target decodes of 1..max_n tokens, each of 1 and 2 followed by the draft's of that size.
     CostSweep cost_sweep_locked(const std::vector<llama_token>& context, int max_n, Batch& batch);
     void decode(Model& model, const Batch& batch);
-    // Decodes tokens[0, end) at positions 0.. into an empty cache, `chunk` tokens per decode
-    // (0: as many as the batch holds).
+    // Decodes tokens[from, end) at positions from.. (the cache holds tokens[0, from)), at most
+    // `chunk` tokens per decode (0: as many as the model's n_batch).
     void decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
-                         size_t end, bool logits_on_last, size_t chunk);
+                         size_t from, size_t end, bool logits_on_last, size_t chunk);
 
     EngineConfig config_;
     std::unique_ptr<Model> target_;
     std::unique_ptr<Model> draft_;
     std::unique_ptr<Drafter> drafter_;
     Batch target_batch_;
-    std::mutex busy_;
+    std::timed_mutex busy_;
     std::atomic<std::thread::id> owner_{};  // the thread holding busy_
     std::atomic<bool> cancel_requested_{false};
+    // The running request's own stop conditions, read by every decode.
+    std::shared_ptr<CancelFlag> request_cancel_;
+    std::optional<std::chrono::steady_clock::time_point> deadline_;
     AdaptivePolicy policy_;
 };
 

@@ -42,4 +42,9 @@ struct Cancelled : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// A request ran past its deadline.
+struct TimedOut : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
 }  // namespace specdec

@@ -1,8 +1,12 @@
 #include "model.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <thread>
+#include <utility>
 
 #include "errors.h"
 #include "logging.h"
@@ -21,16 +25,41 @@ int default_threads() {
     return n == 0 ? 4 : static_cast<int>(n);
 }
 
+// The same file reached by another name is the same weights.
+std::string canonical(const std::string& path) {
+    char* real = realpath(path.c_str(), nullptr);
+    if (!real) return path;
+    std::string out(real);
+    free(real);
+    return out;
+}
+
 }  // namespace
 
-Model::Model(const ModelParams& params) : path_(params.path), n_ctx_(params.n_ctx) {
-    check_model_file(params.path);
+std::shared_ptr<llama_model> load_weights(const std::string& path, int n_gpu_layers) {
+    static std::mutex mutex;
+    static std::map<std::pair<std::string, int>, std::weak_ptr<llama_model>> loaded;
+    check_model_file(path);
+    const auto key = std::make_pair(canonical(path), n_gpu_layers);
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto it = loaded.begin(); it != loaded.end();)
+        it = it->second.expired() ? loaded.erase(it) : std::next(it);
+    if (auto shared = loaded[key].lock()) return shared;
     clear_recent_errors();
-
     llama_model_params mparams = llama_model_default_params();
-    mparams.n_gpu_layers = params.n_gpu_layers;
-    model_.reset(llama_model_load_from_file(params.path.c_str(), mparams));
-    if (!model_) throw ModelLoadError(with_reason("failed to load model " + params.path));
+    mparams.n_gpu_layers = n_gpu_layers;
+    llama_model* raw = llama_model_load_from_file(path.c_str(), mparams);
+    if (!raw) throw ModelLoadError(with_reason("failed to load model " + path));
+    std::shared_ptr<llama_model> shared(raw, [](llama_model* m) { llama_model_free(m); });
+    loaded[key] = shared;
+    return shared;
+}
+
+Model::Model(const ModelParams& params)
+    : model_(load_weights(params.path, params.n_gpu_layers)),
+      path_(params.path),
+      n_ctx_(params.n_ctx) {
+    clear_recent_errors();
     vocab_ = llama_model_get_vocab(model_.get());
 
     llama_context_params cparams = llama_context_default_params();
@@ -126,7 +155,25 @@ std::string Model::apply_chat_template(
     return buf;
 }
 
+void Model::note_decoded(const llama_batch& batch) {
+    for (int32_t i = 0; i < batch.n_tokens; ++i) {
+        const auto pos = static_cast<size_t>(batch.pos[i]);
+        if (pos > held_.size()) throw std::logic_error("a decode left a gap in the cache");
+        held_.resize(pos);
+        held_.push_back(batch.token[i]);
+    }
+}
+
+size_t Model::keep_common_prefix(const std::vector<llama_token>& tokens, size_t limit) {
+    limit = std::min({held_.size(), limit, tokens.size()});
+    size_t common = 0;
+    while (common < limit && held_[common] == tokens[common]) ++common;
+    if (common < held_.size()) forget_from(static_cast<llama_pos>(common));
+    return common;
+}
+
 void Model::forget_from(llama_pos pos) {
+    if (static_cast<size_t>(pos) < held_.size()) held_.resize(static_cast<size_t>(pos));
     if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), 0, pos, -1)) {
         throw UnsupportedModelError(
             "cannot roll back the cache of " + path_ +
@@ -135,7 +182,10 @@ void Model::forget_from(llama_pos pos) {
     }
 }
 
-void Model::clear_memory() { llama_memory_clear(llama_get_memory(ctx_.get()), true); }
+void Model::clear_memory() {
+    held_.clear();
+    llama_memory_clear(llama_get_memory(ctx_.get()), true);
+}
 
 std::string vocab_mismatch(const Model& target, const Model& draft) {
     const llama_vocab* tv = target.vocab();

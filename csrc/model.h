@@ -1,4 +1,5 @@
-// RAII owner of one llama_model and its llama_context, with the vocabulary helpers around them.
+// One llama_context on shared weights (a llama_model loaded once per file and GPU setting, for
+// every context that uses it), the tokens its cache holds, and the vocabulary helpers.
 #pragma once
 
 #include <algorithm>
@@ -19,12 +20,13 @@ struct ModelParams {
     int n_threads = 0;  // 0: all cores
 };
 
-struct ModelDeleter {
-    void operator()(llama_model* m) const { llama_model_free(m); }
-};
 struct ContextDeleter {
     void operator()(llama_context* c) const { llama_free(c); }
 };
+
+// The weights of `path` with `n_gpu_layers` offloaded, loaded on first use and shared by every
+// caller until the last one lets go. Throws ModelLoadError with the reason.
+std::shared_ptr<llama_model> load_weights(const std::string& path, int n_gpu_layers);
 
 class Model {
   public:
@@ -54,17 +56,25 @@ class Model {
         const std::vector<std::pair<std::string, std::string>>& messages,
         bool add_generation_prompt) const;
 
+    // The tokens whose keys/values the cache holds, by position.
+    const std::vector<llama_token>& held() const { return held_; }
+    // Records a successful decode of `batch`, whose tokens follow what the cache held.
+    void note_decoded(const llama_batch& batch);
     // Forgets every cached position >= pos. Throws UnsupportedModelError when the model's memory
     // cannot drop a partial sequence (recurrent and hybrid models).
     void forget_from(llama_pos pos);
+    // Forgets what the cache holds past its common prefix with tokens[0..limit); returns the
+    // prefix's length.
+    size_t keep_common_prefix(const std::vector<llama_token>& tokens, size_t limit);
     void clear_memory();
 
   private:
-    std::unique_ptr<llama_model, ModelDeleter> model_;
+    std::shared_ptr<llama_model> model_;
     std::unique_ptr<llama_context, ContextDeleter> ctx_;
     const llama_vocab* vocab_ = nullptr;
     std::string path_;
     int n_ctx_;
+    std::vector<llama_token> held_;
 };
 
 // Why target and draft cannot be paired, or "" when they can.

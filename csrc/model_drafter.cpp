@@ -13,36 +13,22 @@ ModelDrafter::ModelDrafter(Model& model, int max_draft, DecodeFn decode)
 
 void ModelDrafter::begin(const std::vector<llama_token>& /*prompt*/) {
     // The prompt is decoded by the first propose(): a generation that never drafts (the
-    // adaptive policy may decide so) never pays for it.
-    model_.clear_memory();
-    cached_.clear();
+    // adaptive policy may decide so) never pays for it. What the cache already holds of it
+    // (the previous request's prefix) is kept: catch_up() decodes only the rest.
 }
 
 void ModelDrafter::decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
                                 size_t logits_from,
                                 const std::function<void(const Batch&)>& on_decoded) {
-    const auto first_pos = static_cast<llama_pos>(cached_.size());
-    cached_.insert(cached_.end(), tokens.begin() + static_cast<long>(from),
-                   tokens.begin() + static_cast<long>(to));
+    const auto first_pos = static_cast<llama_pos>(model_.held().size());
     decode_in_chunks(batch_, tokens, from, to, first_pos, logits_from, 0, [&](const Batch& b) {
         decode_(model_, b);
         if (on_decoded) on_decoded(b);
     });
 }
 
-size_t ModelDrafter::keep_common_prefix(const std::vector<llama_token>& committed, size_t limit) {
-    size_t common = 0;
-    limit = std::min(cached_.size(), limit);
-    while (common < limit && cached_[common] == committed[common]) ++common;
-    if (common < cached_.size()) {
-        model_.forget_from(static_cast<llama_pos>(common));
-        cached_.resize(common);
-    }
-    return common;
-}
-
 int ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
-    const size_t common = keep_common_prefix(committed, committed.size() - 1);
+    const size_t common = model_.keep_common_prefix(committed, committed.size() - 1);
     decode_range(committed, common, committed.size(), committed.size() - 1);
     return static_cast<int>(committed.size() - common);
 }
@@ -51,7 +37,7 @@ void ModelDrafter::look_back(const std::vector<llama_token>& committed, size_t f
                              const HindsightFn& score) {
     if (committed.size() < 2) return;
     const size_t end = committed.size() - 1;
-    const size_t common = keep_common_prefix(committed, end);
+    const size_t common = model_.keep_common_prefix(committed, end);
     // Row t - 1 holds the logits for token t; positions are indices into `committed`.
     decode_range(committed, common, end, std::max<size_t>(first, 1) - 1, [&](const Batch& b) {
         const llama_batch& raw = b.get();

@@ -29,9 +29,6 @@ class ModelDrafter : public Drafter {
     // Makes the cache hold exactly committed[0..n-1) and decodes the rest, logits on the last.
     // Returns how many tokens it decoded.
     int catch_up(const std::vector<llama_token>& committed);
-    // Forgets what the cache holds past its common prefix with committed[0..limit); returns
-    // the prefix's length.
-    size_t keep_common_prefix(const std::vector<llama_token>& committed, size_t limit);
     // Appends tokens[from..to) to the cache, logits on tokens[logits_from..]; `on_decoded` runs
     // after each decode, while its logits can still be read.
     void decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
@@ -41,7 +38,6 @@ class ModelDrafter : public Drafter {
     Model& model_;
     Batch batch_;
     DecodeFn decode_;
-    std::vector<llama_token> cached_;  // tokens whose keys/values are in the draft's cache
     std::vector<Distribution> q_;
     SamplingWorkspace workspace_;
 };

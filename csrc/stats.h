@@ -8,6 +8,7 @@ namespace specdec {
 
 struct Stats {
     int n_prompt = 0;             // prompt tokens
+    int n_prompt_cached = 0;      // of them, already in the target's cache (not decoded again)
     int n_generated = 0;          // tokens in the result
     int n_target_passes = 0;      // target decodes after the prompt (one per step)
     int n_drafted = 0;            // draft tokens proposed
@@ -23,7 +24,9 @@ struct Stats {
     int accepted_by[2] = {0, 0};
     std::vector<int> accepted_at;  // [i]: times draft position i+1 was accepted
     std::vector<int> proposed_at;  // [i]: times draft position i+1 was proposed
+    double t_queue = 0.0;          // seconds: waiting for the engine (another call ran)
     double t_prompt = 0.0;         // seconds: prompt decode, both models
+    double t_first_token = 0.0;    // seconds: from the call to its first token (0: none)
     double t_draft = 0.0;          // seconds: drafting
     double t_verify = 0.0;         // seconds: target decodes and acceptance
     double t_total = 0.0;          // seconds: the whole call

@@ -10,6 +10,7 @@ from specdec_native._libllama import load_shared_libllama
 load_shared_libllama()
 
 from specdec_native._core import (  # noqa: E402
+    CancelFlag,
     ContextOverflowError,
     ModelLoadError,
     NonFiniteLogitsError,
@@ -25,6 +26,7 @@ from specdec_native.decoder import (  # noqa: E402
 )
 
 __all__ = [
+    "CancelFlag",
     "ContextOverflowError",
     "EngineClosedError",
     "GenerationResult",

@@ -35,6 +35,12 @@ class AdaptivePolicy:
     @property
     def draft_costs(self) -> list[float]: ...
 
+class CancelFlag:
+    def __init__(self) -> None: ...
+    def cancel(self) -> None: ...
+    @property
+    def cancelled(self) -> bool: ...
+
 class Engine:
     def __init__(
         self,
@@ -65,6 +71,8 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         adaptive: bool = False,
         draft_p_min: float = 0.0,
+        timeout: float = 0.0,
+        cancel: CancelFlag | None = None,
         wrong_residual_for_tests: bool = False,
     ) -> dict[str, Any]: ...
     def calibrate(self, context: list[int]) -> None: ...

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 import os
 import queue
 import random
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
@@ -32,6 +34,7 @@ class Stats:
     """Counters and timers of one generation (times in seconds)."""
 
     n_prompt: int
+    n_prompt_cached: int  # prompt tokens already in the cache from the previous request
     n_generated: int
     n_target_passes: int
     n_drafted: int
@@ -49,7 +52,9 @@ class Stats:
     accepted_by_ngram: int
     accepted_at: list[int]
     proposed_at: list[int]
+    t_queue: float  # waiting for the decoder while another call ran
     t_prompt: float
+    t_first_token: float  # from the call (queue included) to the first token; 0 if none
     t_draft: float
     t_verify: float
     t_total: float
@@ -99,7 +104,7 @@ class Stats:
 class GenerationResult:
     text: str
     tokens: list[int]
-    finish_reason: str  # "stop" | "length" | "context" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "context" | "cancelled" | "timeout"
     stats: Stats
     prompt_tokens: list[int] = field(default_factory=list)
     # Greedy only: per token, the target's top-1 minus top-2 logit where it chose that token.
@@ -405,7 +410,9 @@ class SpeculativeDecoder:
         stop: str | Sequence[str] | None = None,
         n_draft: DraftLength | None = None,
         draft_p_min: float = 0.0,
+        timeout: float | None = None,
         on_text: Callable[[str], None] | None = None,
+        cancel: _core.CancelFlag | None = None,
     ) -> GenerationResult:
         """Generates up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
 
@@ -417,6 +424,9 @@ class SpeculativeDecoder:
         verify costs and the running acceptance, falling back to target-only decoding where
         speculation does not pay). ``draft_p_min`` stops a draft early when the draft model's
         probability of its next token is below it.
+        ``timeout`` (seconds, from this call, waiting for the decoder included) ends the
+        generation with finish_reason "timeout". ``cancel`` (a ``CancelFlag``) stops this call
+        alone, from any thread, with finish_reason "cancelled".
         ``on_text`` receives the text as it is committed, in whole UTF-8 characters.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
@@ -434,6 +444,13 @@ class SpeculativeDecoder:
         adaptive = self._adaptive if n_draft is None else _is_auto(n_draft)
         k = -1 if n_draft is None or adaptive else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
         p_min = _check_float("draft_p_min", draft_p_min, lambda v: 0 <= v <= 1, "in [0, 1]")
+        seconds = (
+            0.0
+            if timeout is None
+            else _check_float("timeout", timeout, lambda v: v > 0, "a number of seconds > 0")
+        )
+        if cancel is not None and not isinstance(cancel, _core.CancelFlag):
+            raise TypeError(f"cancel must be a CancelFlag, got {type(cancel).__name__}")
         first_adaptive = (
             adaptive and self._calibration is None and self._calibration_key is not None
         )
@@ -452,6 +469,8 @@ class SpeculativeDecoder:
             on_text,
             adaptive,
             p_min,
+            seconds,
+            cancel,
         )
         if out["stats"]["draft_error"]:
             warnings.warn(
@@ -481,6 +500,8 @@ class SpeculativeDecoder:
         """
         if "on_text" in kwargs:
             raise ValueError("stream() does not take on_text")
+        if "cancel" in kwargs:
+            raise ValueError("stream() does not take cancel: close the iterator to stop it")
         engine = self._live()
         if engine.running_on_this_thread:
             # The worker would wait for the generation this thread is running, and it for us.
@@ -490,11 +511,16 @@ class SpeculativeDecoder:
             )
         pieces: queue.Queue[tuple[str, Any]] = queue.Queue()
         done = threading.Event()
+        flag = _core.CancelFlag()
 
         def work() -> None:
             try:
                 result = self.generate(
-                    prompt, max_tokens, on_text=lambda t: pieces.put(("text", t)), **kwargs
+                    prompt,
+                    max_tokens,
+                    on_text=lambda t: pieces.put(("text", t)),
+                    cancel=flag,
+                    **kwargs,
                 )
                 pieces.put(("done", result))
             except BaseException as exc:  # handed to the consumer thread
@@ -516,5 +542,64 @@ class SpeculativeDecoder:
                     return
         finally:
             if not done.is_set():
-                engine.cancel()
+                flag.cancel()  # this generation only, running or still waiting its turn
             worker.join()
+
+    async def agenerate(
+        self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
+    ) -> GenerationResult:
+        """generate() for asyncio code: runs on a worker thread, so the event loop is never
+        blocked. Cancelling the awaiting task stops the generation."""
+        if "cancel" in kwargs:
+            raise ValueError("agenerate() does not take cancel: cancel the task instead")
+        flag = _core.CancelFlag()
+        call = functools.partial(self.generate, prompt, max_tokens, cancel=flag, **kwargs)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, call)
+        except asyncio.CancelledError:
+            flag.cancel()
+            raise
+
+    async def astream(
+        self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
+    ) -> AsyncIterator[str]:
+        """stream() for asyncio code: yields text pieces as they are generated, without blocking
+        the event loop. Leaving the loop early (break, an exception, a cancelled task) stops the
+        generation."""
+        for name in ("on_text", "cancel"):
+            if name in kwargs:
+                raise ValueError(f"astream() does not take {name}")
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        flag = _core.CancelFlag()
+
+        def put(item: tuple[str, Any]) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, item)
+
+        def work() -> None:
+            try:
+                result = self.generate(
+                    prompt,
+                    max_tokens,
+                    on_text=lambda t: put(("text", t)),
+                    cancel=flag,
+                    **kwargs,
+                )
+                put(("done", result))
+            except BaseException as exc:  # handed to the consumer's task
+                put(("error", exc))
+
+        worker = loop.run_in_executor(None, work)
+        try:
+            while True:
+                kind, value = await pieces.get()
+                if kind == "text":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    self.last_result = value
+                    return
+        finally:
+            flag.cancel()  # no effect once the generation has finished
+            await asyncio.shield(worker)
