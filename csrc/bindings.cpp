@@ -291,11 +291,14 @@ PYBIND11_MODULE(_core, m) {
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
                          int n_draft, int n_ctx, int n_batch, int n_threads, int n_gpu_layers,
                          int draft_n_gpu_layers, bool ngram, int ngram_min, int ngram_max,
-                         bool verbose) {
+                         bool verbose, uintptr_t target_model, uintptr_t draft_model) {
                  EngineConfig c;
                  c.target = model_params(target, n_gpu_layers, n_ctx, n_batch, n_threads);
-                 if (draft)
+                 c.target.borrowed = reinterpret_cast<llama_model*>(target_model);
+                 if (draft) {
                      c.draft = model_params(*draft, draft_n_gpu_layers, n_ctx, n_batch, n_threads);
+                     c.draft->borrowed = reinterpret_cast<llama_model*>(draft_model);
+                 }
                  c.n_draft = n_draft;
                  c.ngram = ngram;
                  c.ngram_min = ngram_min;
@@ -308,7 +311,7 @@ PYBIND11_MODULE(_core, m) {
              py::arg("n_ctx") = 4096, py::arg("n_batch") = 512, py::arg("n_threads") = 0,
              py::arg("n_gpu_layers") = 0, py::arg("draft_n_gpu_layers") = 0,
              py::arg("ngram") = false, py::arg("ngram_min") = 1, py::arg("ngram_max") = 4,
-             py::arg("verbose") = false)
+             py::arg("verbose") = false, py::arg("target_model") = 0, py::arg("draft_model") = 0)
         .def(
             "generate",
             [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,

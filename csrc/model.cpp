@@ -55,8 +55,13 @@ std::shared_ptr<llama_model> load_weights(const std::string& path, int n_gpu_lay
     return shared;
 }
 
+std::shared_ptr<llama_model> weights(const ModelParams& params) {
+    if (params.borrowed) return std::shared_ptr<llama_model>(params.borrowed, [](llama_model*) {});
+    return load_weights(params.path, params.n_gpu_layers);
+}
+
 Model::Model(const ModelParams& params)
-    : model_(load_weights(params.path, params.n_gpu_layers)),
+    : model_(weights(params)),
       path_(params.path),
       n_ctx_(params.n_ctx) {
     clear_recent_errors();

@@ -18,6 +18,9 @@ struct ModelParams {
     int n_ctx = 4096;
     int n_batch = 512;
     int n_threads = 0;  // 0: all cores
+    // Weights loaded by someone else (llama-cpp-python's Llama), used as they are and never
+    // freed here; the owner keeps them alive. Null: load `path`.
+    llama_model* borrowed = nullptr;
 };
 
 struct ContextDeleter {

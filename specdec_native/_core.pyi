@@ -56,6 +56,8 @@ class Engine:
         ngram_min: int = 1,
         ngram_max: int = 4,
         verbose: bool = False,
+        target_model: int = 0,
+        draft_model: int = 0,
     ) -> None: ...
     def generate(
         self,

@@ -160,6 +160,18 @@ def _check_model_path(name: str, path: PathLike) -> str:
     return str(p)
 
 
+def _model_address(llm: Any) -> int:
+    """The address of a llama_cpp.Llama's llama_model (0 for None or a closed one)."""
+    if llm is None:
+        return 0
+    import ctypes
+
+    model = getattr(llm, "model", None)
+    if model is None:
+        return 0
+    return int(ctypes.cast(model, ctypes.c_void_p).value or 0)
+
+
 def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
     if stop is None:
         return []
@@ -205,6 +217,7 @@ class SpeculativeDecoder:
         ngram_max: int = 4,
         calibration_cache: bool = True,
         verbose: bool = False,
+        _borrow: tuple[Any, Any] = (None, None),
     ) -> None:
         target_path = _check_model_path("target", target)
         if draft is not None and os.fspath(draft) == NGRAM:
@@ -233,7 +246,11 @@ class SpeculativeDecoder:
             ngram_min=ngram_min,
             ngram_max=ngram_max,
             verbose=verbose,
+            target_model=_model_address(_borrow[0]),
+            draft_model=_model_address(_borrow[1]),
         )
+        # Llama objects whose weights the engine uses: kept alive as long as it is.
+        self._borrowed = [llm for llm in _borrow if llm is not None]
         self.target_path = target_path
         self.draft_path = draft_path
         # Where the "auto" policy's cost curve came from: None (not yet), "measured", "cache".
@@ -252,6 +269,29 @@ class SpeculativeDecoder:
             )
             if calibration_cache and (draft_path or ngram)
             else None
+        )
+
+    @classmethod
+    def from_llama(cls, target: Any, draft: Any = None, **kwargs: Any) -> SpeculativeDecoder:
+        """A decoder on the models of ``llama_cpp.Llama`` objects you already have: their
+        weights are used as loaded, not loaded again; the decoder has its own contexts.
+        ``draft`` is another ``Llama``, "ngram", or None; other arguments as for the
+        constructor (``n_ctx`` defaults to the target Llama's). Keep the Llama objects open
+        while the decoder is in use: after one is closed the decoder raises EngineClosedError.
+        """
+        draft_llm = None if draft is None or isinstance(draft, str) else draft
+        for name, llm in (("target", target), ("draft", draft_llm)):
+            if llm is not None and _model_address(llm) == 0:
+                raise ValueError(f"the {name} Llama has no loaded model (closed?)")
+        kwargs.setdefault("n_ctx", max(int(target.n_ctx()), 16))
+        kwargs.setdefault("n_gpu_layers", int(target.model_params.n_gpu_layers))
+        if draft_llm is not None:
+            kwargs.setdefault("draft_n_gpu_layers", int(draft_llm.model_params.n_gpu_layers))
+        return cls(
+            target.model_path,
+            draft if draft_llm is None else draft_llm.model_path,
+            _borrow=(target, draft_llm),
+            **kwargs,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -273,6 +313,8 @@ class SpeculativeDecoder:
     def _live(self) -> _core.Engine:
         if self._engine is None:
             raise EngineClosedError("this SpeculativeDecoder is closed")
+        if any(llm.model is None for llm in self._borrowed):
+            raise EngineClosedError("a llama_cpp.Llama whose weights this decoder uses was closed")
         return self._engine
 
     # -- properties ------------------------------------------------------------------------
