@@ -3,10 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <signal.h>
-
 #include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <optional>
 #include <string>
 #include <vector>
@@ -111,7 +110,7 @@ class InterruptGuard {
             return;
         previous_engine_ = g_interruptible.exchange(&engine);
         previous_caught_ = g_sigint_caught.exchange(false);
-        struct sigaction action {};
+        struct sigaction action{};
         action.sa_handler = cancel_on_sigint;
         sigemptyset(&action.sa_mask);
         installed_ = sigaction(SIGINT, &action, &previous_action_) == 0;
@@ -139,7 +138,7 @@ class InterruptGuard {
     }
 
     bool installed_ = false;
-    struct sigaction previous_action_ {};
+    struct sigaction previous_action_{};
     Engine* previous_engine_ = nullptr;
     bool previous_caught_ = false;
 };
@@ -336,8 +335,8 @@ PYBIND11_MODULE(_core, m) {
             py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature"), py::arg("top_k"),
             py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("stop"),
             py::arg("n_draft"), py::arg("on_text") = py::none(), py::arg("adaptive") = false,
-            py::arg("draft_p_min") = 0.0f, py::arg("timeout") = 0.0,
-            py::arg("cancel") = nullptr, py::arg("wrong_residual_for_tests") = false)
+            py::arg("draft_p_min") = 0.0f, py::arg("timeout") = 0.0, py::arg("cancel") = nullptr,
+            py::arg("wrong_residual_for_tests") = false)
         .def(
             "calibrate",
             [](Engine& e, const std::vector<int32_t>& context) {

@@ -29,8 +29,8 @@ using Deadline = std::optional<Clock::time_point>;
 
 Deadline deadline_after(Clock::time_point start, double seconds) {
     if (seconds <= 0) return std::nullopt;
-    return start + std::chrono::duration_cast<Clock::duration>(
-                       std::chrono::duration<double>(seconds));
+    return start +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 void check_supported(const Model& m) {
@@ -509,8 +509,8 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
     const int n_ctx = draft_ ? std::min(target_->n_ctx(), draft_->n_ctx()) : target_->n_ctx();
     const int n_batch =
         draft_ ? std::min(target_->n_batch(), draft_->n_batch()) : target_->n_batch();
-    const int max_n = std::min({AdaptivePolicy::Config{}.max_k + 1,
-                                n_ctx - static_cast<int>(ctx.size()), n_batch});
+    const int max_n = std::min(
+        {AdaptivePolicy::Config{}.max_k + 1, n_ctx - static_cast<int>(ctx.size()), n_batch});
     if (max_n < 2) return;  // no room to speculate; the policy stays uncalibrated
     const auto start = Clock::now();
     Batch batch(std::max(static_cast<int>(ctx.size()), max_n));

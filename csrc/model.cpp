@@ -61,9 +61,7 @@ std::shared_ptr<llama_model> weights(const ModelParams& params) {
 }
 
 Model::Model(const ModelParams& params)
-    : model_(weights(params)),
-      path_(params.path),
-      n_ctx_(params.n_ctx) {
+    : model_(weights(params)), path_(params.path), n_ctx_(params.n_ctx) {
     clear_recent_errors();
     vocab_ = llama_model_get_vocab(model_.get());
 

@@ -36,17 +36,28 @@ std::optional<double> number(const gguf_context* g, const std::string& key) {
     const int64_t id = gguf_find_key(g, key.c_str());
     if (id < 0) return std::nullopt;
     switch (gguf_get_kv_type(g, id)) {
-        case GGUF_TYPE_UINT8: return gguf_get_val_u8(g, id);
-        case GGUF_TYPE_INT8: return gguf_get_val_i8(g, id);
-        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, id);
-        case GGUF_TYPE_INT16: return gguf_get_val_i16(g, id);
-        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, id);
-        case GGUF_TYPE_INT32: return gguf_get_val_i32(g, id);
-        case GGUF_TYPE_UINT64: return static_cast<double>(gguf_get_val_u64(g, id));
-        case GGUF_TYPE_INT64: return static_cast<double>(gguf_get_val_i64(g, id));
-        case GGUF_TYPE_FLOAT32: return gguf_get_val_f32(g, id);
-        case GGUF_TYPE_FLOAT64: return gguf_get_val_f64(g, id);
-        default: return std::nullopt;
+        case GGUF_TYPE_UINT8:
+            return gguf_get_val_u8(g, id);
+        case GGUF_TYPE_INT8:
+            return gguf_get_val_i8(g, id);
+        case GGUF_TYPE_UINT16:
+            return gguf_get_val_u16(g, id);
+        case GGUF_TYPE_INT16:
+            return gguf_get_val_i16(g, id);
+        case GGUF_TYPE_UINT32:
+            return gguf_get_val_u32(g, id);
+        case GGUF_TYPE_INT32:
+            return gguf_get_val_i32(g, id);
+        case GGUF_TYPE_UINT64:
+            return static_cast<double>(gguf_get_val_u64(g, id));
+        case GGUF_TYPE_INT64:
+            return static_cast<double>(gguf_get_val_i64(g, id));
+        case GGUF_TYPE_FLOAT32:
+            return gguf_get_val_f32(g, id);
+        case GGUF_TYPE_FLOAT64:
+            return gguf_get_val_f64(g, id);
+        default:
+            return std::nullopt;
     }
 }
 
@@ -74,7 +85,8 @@ void check_model_file(const std::string& path) {
     params.no_alloc = true;
     params.ctx = nullptr;
     Gguf g(gguf_init_from_file(path.c_str(), params));
-    if (!g) throw ModelLoadError("cannot read the GGUF header of " + path + " (truncated or damaged)");
+    if (!g)
+        throw ModelLoadError("cannot read the GGUF header of " + path + " (truncated or damaged)");
     const int64_t arch_id = gguf_find_key(g.get(), "general.architecture");
     if (arch_id < 0 || gguf_get_kv_type(g.get(), arch_id) != GGUF_TYPE_STRING)
         throw ModelLoadError("malformed model " + path + ": no general.architecture");

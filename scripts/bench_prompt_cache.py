@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_prompt_cache.py [--turns 10] [--rounds 3] [TARGET DRAFT]
 
-A scripted chat: each turn appends a user message (about 150 tokens) to the history, formatted
+A scripted chat: each turn appends a user message (about 110 tokens) to the history, formatted
 with the model's chat template, and generates a short reply. With the cache, turn t decodes only
 what turn t-1 did not already hold; without it (an unrelated prompt in between evicts the
 cache), the whole history is decoded again. Both are timed on the same decoder, in the same
@@ -23,7 +23,8 @@ USER = (
     "timber, salt and letters for the town; the harbour master counted the crates twice, "
     "found one missing, and wrote a note to the owner asking where it had gone. The crew "
     "said the weather had been rough past the cape and that one crate had gone over the side "
-    "in the night. Summarise what happened in one sentence."
+    "in the night. The owner answered by the evening post that the crate held books and "
+    "that he would send a clerk to see to it. Summarise what happened in one sentence."
 )
 
 

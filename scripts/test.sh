@@ -3,8 +3,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SPECDEC_VENV:-$ROOT/.venv}"
-bash "$ROOT/scripts/setup.sh" --dev
+# Warnings fail the build here, so they cannot accumulate.
+SPECDEC_WERROR=ON bash "$ROOT/scripts/setup.sh" --dev
 cd "$ROOT"
-"$VENV/bin/ruff" check specdec_native cli tests
+"$VENV/bin/ruff" check specdec_native cli tests scripts
+"$VENV/bin/ruff" format --check specdec_native cli tests scripts
+"$VENV/bin/clang-format" --dry-run --Werror csrc/*.cpp csrc/*.h
 "$VENV/bin/mypy"
 exec "$VENV/bin/python" -m pytest "$@"
