@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from conftest import PROMPTS
@@ -33,6 +34,15 @@ def test_transforms_accepted(deep_decoder: sd.SpeculativeDecoder) -> None:
     assert r.stats.n_generated == len(r.tokens) > 0
 
 
+@pytest.mark.parametrize("transform", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+def test_a_transform_that_keeps_only_the_best_token_samples_greedily(
+    tiny_decoder: sd.SpeculativeDecoder, transform: dict[str, float]
+) -> None:
+    greedy = tiny_decoder.generate([1, 300, 270], 40)
+    r = tiny_decoder.generate([1, 300, 270], 40, temperature=1.5, seed=7, **transform)
+    assert r.tokens == greedy.tokens
+
+
 def test_max_tokens_is_exact(deep_decoder: sd.SpeculativeDecoder) -> None:
     for n in (1, 2, 7):
         r = deep_decoder.generate(PROMPTS[0], n)
@@ -50,11 +60,20 @@ def test_stop_string_cuts_text(deep_decoder: sd.SpeculativeDecoder) -> None:
     assert_stats_add_up(r.stats, len(r.tokens))
 
 
-def test_eog_stops_generation(deep_decoder: sd.SpeculativeDecoder) -> None:
+def test_chat_template_wraps_the_message(deep_decoder: sd.SpeculativeDecoder) -> None:
     chat = deep_decoder.apply_chat_template([{"role": "user", "content": "Say hi."}])
-    assert "Say hi." in chat
-    r = deep_decoder.generate(chat, 300)
-    assert r.finish_reason in ("stop", "length")
+    assert "Say hi." in chat and len(chat) > len("Say hi.")
+
+
+def test_eog_stops_generation(tiny_decoder: sd.SpeculativeDecoder) -> None:
+    # The tiny model samples its end-of-sequence token (id 2) now and then.
+    eos = 2
+    for seed in range(1, 50):
+        r = tiny_decoder.generate([1, 300, 270], 200, temperature=1.0, seed=seed)
+        if r.finish_reason == "stop":
+            break
+    assert r.finish_reason == "stop" and len(r.tokens) < 200
+    assert eos not in r.tokens  # the end token ends the text; it is not part of it
     assert_stats_add_up(r.stats, len(r.tokens))
 
 
@@ -90,7 +109,10 @@ def test_callback_exception_propagates_and_engine_survives(
 def test_stream_closed_early_cancels(deep_decoder: sd.SpeculativeDecoder) -> None:
     it = deep_decoder.stream(PROMPTS[0], 400)
     next(it)
-    it.close()
+    start = time.monotonic()
+    it.close()  # returns once the generation has stopped
+    # The other 399 tokens take the deep pair well over 5 s on any CPU it runs on.
+    assert time.monotonic() - start < 2.0
     assert len(deep_decoder.generate(PROMPTS[0], 3).tokens) == 3
 
 
