@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -115,7 +116,9 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
         return text
     if prompt is not None:
         return prompt
-    if sys.stdin is None or sys.stdin.isatty():
+    if sys.stdin is None:
+        raise click.ClickException("no prompt: give one with -p, -f or on standard input")
+    if sys.stdin.isatty():
         return DEFAULT_PROMPT
     data = sys.stdin.buffer.read()
     try:
@@ -276,12 +279,7 @@ def run(
 
     k: int | str = n_draft
     if n_draft != "auto":
-        try:
-            k = int(n_draft)
-        except ValueError:
-            raise click.ClickException(
-                f"-k/--draft-max must be 'auto' or an integer, got {n_draft!r}"
-            ) from None
+        k = _draft_length(n_draft, "-k/--draft-max must be 'auto' or an integer")
         if not 0 <= k <= MAX_DRAFT:
             raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {k}")
     if target is None:
@@ -355,7 +353,9 @@ def info(model: Path, draft: Path | None, as_json: bool) -> None:
     verdict = "no draft given"
     with sd.SpeculativeDecoder(model, n_ctx=256) as dec:
         data: dict[str, Any] = {"target": dec.info()["target"]}
-    if draft is not None:
+    if draft is not None and str(draft) == "ngram":
+        verdict = "n-gram drafting needs no draft model: any target can use it"
+    elif draft is not None:
         try:
             with sd.SpeculativeDecoder(model, draft, n_ctx=256) as dec:
                 data["draft"] = dec.info()["draft"]
@@ -388,26 +388,42 @@ def info(model: Path, draft: Path | None, as_json: bool) -> None:
     click.echo(f"backend: {data['system']}")
 
 
+def _draft_length(text: str, what: str) -> int:
+    """A K written in plain ASCII digits (int() would also take '3_0' and other scripts')."""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise click.ClickException(f"{what}, got {text!r}")
+    return int(text)
+
+
 def _k_list(text: str) -> list[int | str]:
+    from specdec_native.decoder import MAX_DRAFT
+
     out: list[int | str] = []
     for x in (x.strip() for x in text.split(",") if x.strip()):
-        if x == "auto":
-            out.append(x)
-            continue
-        try:
-            out.append(int(x))
-        except ValueError:
-            raise click.ClickException(
-                f"expected comma-separated K values or 'auto', got {text!r}"
-            ) from None
+        k: int | str = x if x == "auto" else _draft_length(x, "expected K values or 'auto'")
+        if isinstance(k, int) and k > MAX_DRAFT:
+            raise click.ClickException(f"K must be in [0, {MAX_DRAFT}], got {k}")
+        out.append(k)
+    if not out:
+        raise click.ClickException(f"expected comma-separated K values or 'auto', got {text!r}")
     return out
 
 
 def _float_list(text: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise click.ClickException(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise click.ClickException(f"expected comma-separated numbers >= 0, got {text!r}")
+    return values
+
+
+def _writable(path: Path | None, option: str) -> None:
+    """Fails now, not after a long benchmark, when `path` cannot be written."""
+    if path is not None and not path.parent.is_dir():
+        raise click.ClickException(f"{option}: the directory {path.parent} does not exist")
 
 
 @cli.command()
@@ -474,7 +490,16 @@ def bench(
     from specdec_native import bench as b
     from specdec_native import models as m
 
+    k_values, temperatures = _k_list(ks), _float_list(temps)
+    if repeats < 1 or max_tokens < 1:
+        raise click.ClickException("--repeats and --max-tokens must be >= 1")
+    if not 0 <= seed <= (1 << 63):
+        raise click.ClickException(f"--seed must be in [0, 2**63], got {seed}")
+    _writable(json_out, "--json")
+    _writable(plot_out, "--plot")
     if target is None:
+        if draft is not None:
+            raise click.UsageError("--draft needs a TARGET")
         pair = m.default_pair(progress=progress)
         target, draft = pair.target, pair.draft
     prompts = b.load_prompts(prompts_file) if prompts_file else dict(b.BUILTIN_PROMPTS)
@@ -486,14 +511,12 @@ def bench(
                 f"unknown prompt(s): {', '.join(unknown)}; have {', '.join(prompts)}"
             )
         prompts = {x: prompts[x] for x in names}
-    if repeats < 1 or max_tokens < 1:
-        raise click.ClickException("--repeats and --max-tokens must be >= 1")
     report = b.run_bench(
         target,
         draft,
         prompts=prompts,
-        ks=_k_list(ks),
-        temperatures=_float_list(temps),
+        ks=k_values,
+        temperatures=temperatures,
         max_tokens=max_tokens,
         repeats=repeats,
         n_ctx=n_ctx,
@@ -503,7 +526,7 @@ def bench(
         progress=progress,
     )
     click.echo(b.format_table(report))
-    if "auto" in _k_list(ks) and draft:
+    if "auto" in k_values and draft:
         click.echo("\n" + b.ADAPTIVE_TITLE)
         click.echo(b.format_adaptive(report))
     if json_out:
@@ -630,5 +653,28 @@ def models_tiny_pair(out_dir: Path, seed: int, noise: float) -> None:
     click.echo(f"target {pair.target}\ndraft  {pair.draft}")
 
 
+def main() -> None:
+    """The console script: the CLI, with output that cannot be written (--help into a full
+    disk) and a closed stderr handled like every other error."""
+    try:
+        os.fstat(2)
+    except OSError:  # keep fd 2 from going to the next file opened; errors have nowhere to go
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != 2:
+            os.dup2(devnull, 2)
+            os.close(devnull)
+    if sys.stderr is None:  # Python found fd 2 closed; click would write errors to stdout
+        sys.stderr = open(os.devnull, "w")  # lives as long as the process
+    try:
+        cli()
+    except OSError as e:
+        _silence_stdout()
+        try:
+            click.echo(f"Error: {_os_error_message(e)}", err=True)
+        except OSError:
+            pass
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    cli()
+    main()

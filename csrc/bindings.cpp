@@ -82,25 +82,26 @@ void require_calibrated(const AdaptivePolicy& p) {
     if (!p.calibrated()) throw py::value_error("calibrate the policy first");
 }
 
-// The engine that Ctrl-C cancels, and whether it came: written by the signal handler, so
+// The call that Ctrl-C cancels, and whether it came: written by the signal handler, so
 // lock-free atomics only.
-std::atomic<Engine*> g_interruptible{nullptr};
+std::atomic<CancelFlag*> g_interruptible{nullptr};
 std::atomic<bool> g_sigint_caught{false};
 
 extern "C" void cancel_on_sigint(int /*signum*/) {
     g_sigint_caught.store(true);
-    if (Engine* e = g_interruptible.load()) e->cancel();
+    if (CancelFlag* f = g_interruptible.load()) f->requested.store(true);
 }
 
 // Python runs signal handlers on its main thread only, and only when that thread runs Python
 // code; a decode loop asking it (PyErr_CheckSignals) must take the GIL every time, which stalls
 // the loop behind any busy Python thread. So while an engine call runs on the main thread, a C
-// handler turns SIGINT into the engine's cancel flag, which every decode reads anyway; Python's
+// handler turns SIGINT into that call's cancel flag (not the engine's: the call may still be
+// waiting while another thread's runs), which every decode and the wait read anyway; Python's
 // own handler (KeyboardInterrupt by default) runs when the call has returned.
 class InterruptGuard {
   public:
     // Needs the GIL. Does nothing off the main thread, or when Python ignores SIGINT.
-    explicit InterruptGuard(Engine& engine) {
+    explicit InterruptGuard(std::shared_ptr<CancelFlag> flag) : flag_(std::move(flag)) {
         py::module_ threading = py::module_::import("threading");
         if (!threading.attr("current_thread")().is(threading.attr("main_thread")())) return;
         py::module_ signal = py::module_::import("signal");
@@ -108,7 +109,7 @@ class InterruptGuard {
         if (handler.is_none() || handler.equal(signal.attr("SIG_IGN")) ||
             handler.equal(signal.attr("SIG_DFL")))
             return;
-        previous_engine_ = g_interruptible.exchange(&engine);
+        previous_flag_ = g_interruptible.exchange(flag_.get());
         previous_caught_ = g_sigint_caught.exchange(false);
         struct sigaction action{};
         action.sa_handler = cancel_on_sigint;
@@ -133,25 +134,28 @@ class InterruptGuard {
         if (!installed_) return false;
         installed_ = false;
         sigaction(SIGINT, &previous_action_, nullptr);
-        g_interruptible.store(previous_engine_);
+        g_interruptible.store(previous_flag_);
         return g_sigint_caught.exchange(previous_caught_);
     }
 
+    std::shared_ptr<CancelFlag> flag_;
     bool installed_ = false;
     struct sigaction previous_action_{};
-    Engine* previous_engine_ = nullptr;
+    CancelFlag* previous_flag_ = nullptr;
     bool previous_caught_ = false;
 };
 
-// Runs one engine call without the GIL, interruptible by Ctrl-C; returns its result.
+// Runs call(flag) without the GIL, Ctrl-C setting `flag` (one made here if null); returns its
+// result.
 template <typename Call>
-auto interruptible(Engine& engine, Call&& call) {
-    InterruptGuard guard(engine);
-    using Result = decltype(call());
+auto interruptible(Call&& call, std::shared_ptr<CancelFlag> flag = nullptr) {
+    if (!flag) flag = std::make_shared<CancelFlag>();
+    InterruptGuard guard(flag);
+    using Result = decltype(call(flag));
     std::optional<Result> result;
     try {
         py::gil_scoped_release release;
-        result.emplace(call());
+        result.emplace(call(flag));
     } catch (...) {
         guard.deliver();  // Ctrl-C, if it came, is why the call unwound
         throw;
@@ -185,7 +189,12 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     }
     GenerationResult result;
     try {
-        result = interruptible(engine, [&] { return engine.generate(request, text_cb); });
+        result = interruptible(
+            [&](const std::shared_ptr<CancelFlag>& flag) {
+                request.cancel = flag;
+                return engine.generate(request, text_cb);
+            },
+            request.cancel);
     } catch (...) {
         // A callback's exception is the cause of whatever unwound.
         if (pending.error) throw std::move(*pending.error);
@@ -340,8 +349,8 @@ PYBIND11_MODULE(_core, m) {
         .def(
             "calibrate",
             [](Engine& e, const std::vector<int32_t>& context) {
-                interruptible(e, [&] {
-                    e.calibrate(context);
+                interruptible([&](std::shared_ptr<CancelFlag> flag) {
+                    e.calibrate(context, std::move(flag));
                     return true;
                 });
             },
@@ -364,6 +373,7 @@ PYBIND11_MODULE(_core, m) {
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
         .def("cancel", &Engine::cancel)
+        .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {
                  return e.target().tokenize(text, add_special, parse_special);
@@ -380,15 +390,19 @@ PYBIND11_MODULE(_core, m) {
         .def(
             "next_token_logits",
             [](Engine& e, const std::vector<int32_t>& context, bool batched) {
-                return interruptible(e, [&] { return e.next_token_logits(context, batched); });
+                return interruptible([&](std::shared_ptr<CancelFlag> flag) {
+                    return e.next_token_logits(context, batched, std::move(flag));
+                });
             },
             py::arg("context"), py::arg("batched") = true)
         .def(
             "measure_decode_cost",
             [](Engine& e, const std::vector<int32_t>& context, int max_n, int repeats,
                bool on_draft) {
-                return interruptible(
-                    e, [&] { return e.measure_decode_cost(context, max_n, repeats, on_draft); });
+                return interruptible([&](std::shared_ptr<CancelFlag> flag) {
+                    return e.measure_decode_cost(context, max_n, repeats, on_draft,
+                                                 std::move(flag));
+                });
             },
             py::arg("context"), py::arg("max_n"), py::arg("repeats") = 5,
             py::arg("on_draft") = false)

@@ -55,9 +55,14 @@ class Engine::Hold {
                 "the engine is already running on this thread: a callback cannot call generate, "
                 "calibrate or measure_decode_cost on the decoder that is calling it");
         while (!e.busy_.try_lock_for(std::chrono::milliseconds(10))) {
-            if (cancel && cancel->requested.load()) throw Cancelled("cancelled while waiting");
+            if (e.closing_.load() || (cancel && cancel->requested.load()))
+                throw Cancelled("cancelled while waiting");
             if (deadline && Clock::now() >= *deadline)
                 throw TimedOut("timed out waiting for the engine");
+        }
+        if (e.closing_.load()) {
+            e.busy_.unlock();
+            throw Cancelled("the engine is shutting down");
         }
         e.owner_.store(std::this_thread::get_id());
         e.cancel_requested_.store(false);
@@ -432,8 +437,24 @@ void Engine::decode(Model& model, const Batch& batch) {
     if (rc != 0) throw std::runtime_error("llama_decode failed with code " + std::to_string(rc));
 }
 
+void Engine::shutdown() {
+    if (running_on_this_thread())
+        throw ReentrantCallError("a callback cannot close the decoder that is calling it");
+    closing_.store(true);
+    std::lock_guard<std::timed_mutex> wait_for_the_running_call(busy_);
+}
+
+void Engine::check_tokens(const std::vector<llama_token>& tokens) const {
+    for (llama_token t : tokens)
+        if (t < 0 || t >= target_->n_vocab())
+            throw std::invalid_argument("token " + std::to_string(t) +
+                                        " is outside the vocabulary (0.." +
+                                        std::to_string(target_->n_vocab() - 1) + ")");
+}
+
 std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& context, int max_n,
-                                                int repeats, bool on_draft) {
+                                                int repeats, bool on_draft,
+                                                std::shared_ptr<CancelFlag> cancel) {
     Model* model = on_draft ? draft_.get() : target_.get();
     if (!model) throw std::invalid_argument("there is no draft model");
     if (context.empty() || max_n < 1 || repeats < 1)
@@ -443,7 +464,8 @@ std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& 
     if (static_cast<int>(context.size()) > model->n_batch() || max_n > model->n_batch())
         throw std::invalid_argument("the context and max_n must each fit n_batch (" +
                                     std::to_string(model->n_batch()) + ")");
-    Hold hold(*this);
+    check_tokens(context);
+    Hold hold(*this, std::move(cancel));
     return measure_decode_cost_locked(context, max_n, repeats, *model);
 }
 
@@ -488,10 +510,12 @@ CostSweep Engine::cost_sweep_locked(const std::vector<llama_token>& context, int
     return sweep;
 }
 
-void Engine::calibrate(const std::vector<llama_token>& context) {
+void Engine::calibrate(const std::vector<llama_token>& context,
+                       std::shared_ptr<CancelFlag> cancel) {
     if (!drafter_) throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
     if (context.empty()) throw std::invalid_argument("the context has no tokens");
-    Hold hold(*this);
+    check_tokens(context);
+    Hold hold(*this, std::move(cancel));
     calibrate_locked(context);
 }
 
@@ -540,10 +564,7 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
         throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
     for (const auto& s : request.stop)
         if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
-    for (llama_token t : request.prompt)
-        if (t < 0 || t >= target_->n_vocab())
-            throw std::invalid_argument("prompt token " + std::to_string(t) +
-                                        " is outside the vocabulary");
+    check_tokens(request.prompt);
     const int n_ctx = std::min(target_->n_ctx(), draft_ ? draft_->n_ctx() : target_->n_ctx());
     if (static_cast<int>(request.prompt.size()) >= n_ctx)
         throw ContextOverflowError("the prompt has " + std::to_string(request.prompt.size()) +
@@ -566,16 +587,13 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
     return Generation(*this, request, on_text, called).run();
 }
 
-std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& context,
-                                             bool batched) {
+std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& context, bool batched,
+                                             std::shared_ptr<CancelFlag> cancel) {
     if (context.empty()) throw std::invalid_argument("the context has no tokens");
     if (static_cast<int>(context.size()) > target_->n_ctx())
         throw ContextOverflowError("the context is longer than n_ctx");
-    for (llama_token t : context)
-        if (t < 0 || t >= target_->n_vocab())
-            throw std::invalid_argument("token " + std::to_string(t) +
-                                        " is outside the vocabulary");
-    Hold hold(*this);
+    check_tokens(context);
+    Hold hold(*this, std::move(cancel));
     target_->clear_memory();
     decode_sequence(*target_, target_batch_, context, 0, context.size(), true, batched ? 0 : 1);
     const float* logits = llama_get_logits_ith(target_->ctx(), -1);

@@ -79,13 +79,16 @@ class Engine {
     GenerationResult generate(const GenerateRequest& request, const TextCallback& on_text);
     // The target's logits for the token after `context`, read afresh (the cache is cleared):
     // in n_batch chunks, or one token per decode as target-only generation reads it.
-    std::vector<float> next_token_logits(const std::vector<llama_token>& context, bool batched);
+    std::vector<float> next_token_logits(const std::vector<llama_token>& context, bool batched,
+                                         std::shared_ptr<CancelFlag> cancel = nullptr);
     // Seconds one decode of n tokens costs after `context`, for n = 1..max_n (median of
     // `repeats`), on the target or on the draft. The cache is cleared.
     std::vector<double> measure_decode_cost(const std::vector<llama_token>& context, int max_n,
-                                            int repeats, bool on_draft);
+                                            int repeats, bool on_draft,
+                                            std::shared_ptr<CancelFlag> cancel = nullptr);
     // Measures the cost curve the adaptive policy needs (a few seconds); done on first use.
-    void calibrate(const std::vector<llama_token>& context);
+    void calibrate(const std::vector<llama_token>& context,
+                   std::shared_ptr<CancelFlag> cancel = nullptr);
     // Uses costs measured earlier (t_verify(n) for n = 1..; a draft decode of 1 and of 2
     // tokens) instead of measuring them now.
     void set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs);
@@ -93,6 +96,9 @@ class Engine {
     // Thread-safe and async-signal-safe: makes the running call (if any) stop at its next
     // decode.
     void cancel() { cancel_requested_.store(true); }
+    // Stops the running call, refuses every later one, and returns once none runs: after it the
+    // engine can be destroyed. Throws ReentrantCallError from inside a call (a callback).
+    void shutdown();
     // Whether the calling thread is inside one of this engine's calls (a callback is).
     bool running_on_this_thread() const { return owner_.load() == std::this_thread::get_id(); }
 
@@ -106,8 +112,11 @@ class Engine {
     class Hold;
     // Whether the running call must stop: cancel(), or its own request's flag.
     bool stop_requested() const {
-        return cancel_requested_.load() || (request_cancel_ && request_cancel_->requested.load());
+        return closing_.load() || cancel_requested_.load() ||
+               (request_cancel_ && request_cancel_->requested.load());
     }
+    // Throws std::invalid_argument for a token outside the vocabulary.
+    void check_tokens(const std::vector<llama_token>& tokens) const;
     // llama.cpp's abort callback: lets a long decode stop part-way.
     static bool abort_requested(void* engine) {
         return static_cast<const Engine*>(engine)->stop_requested();
@@ -134,6 +143,7 @@ class Engine {
     std::timed_mutex busy_;
     std::atomic<std::thread::id> owner_{};  // the thread holding busy_
     std::atomic<bool> cancel_requested_{false};
+    std::atomic<bool> closing_{false};
     // The running request's own stop conditions, read by every decode.
     std::shared_ptr<CancelFlag> request_cancel_;
     std::optional<std::chrono::steady_clock::time_point> deadline_;

@@ -82,12 +82,18 @@ std::vector<llama_token> Model::tokenize(const std::string& text, bool add_speci
                                          bool parse_special) const {
     const int32_t len = static_cast<int32_t>(text.size());
     std::vector<llama_token> tokens(text.size() + 8);
-    int32_t n = llama_tokenize(vocab_, text.data(), len, tokens.data(),
-                               static_cast<int32_t>(tokens.size()), add_special, parse_special);
-    if (n < 0) {
-        tokens.resize(static_cast<size_t>(-n));
+    int32_t n = 0;
+    try {
         n = llama_tokenize(vocab_, text.data(), len, tokens.data(),
                            static_cast<int32_t>(tokens.size()), add_special, parse_special);
+        if (n < 0) {
+            tokens.resize(static_cast<size_t>(-n));
+            n = llama_tokenize(vocab_, text.data(), len, tokens.data(),
+                               static_cast<int32_t>(tokens.size()), add_special, parse_special);
+        }
+    } catch (const std::exception& e) {
+        // A damaged vocabulary can make llama.cpp's tokenizer throw from inside.
+        throw std::runtime_error("the tokenizer of " + path_ + " failed: " + e.what());
     }
     if (n < 0) throw std::runtime_error("tokenization failed");
     tokens.resize(static_cast<size_t>(n));

@@ -4,6 +4,7 @@ same process, K sweep, medians over repeats."""
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 from collections.abc import Callable, Sequence
@@ -360,6 +361,9 @@ def load_report(path: Path) -> BenchReport:
     """A report that `bench --json` wrote."""
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
+        _check_numbers(d)
+        if not isinstance(d.get("machine"), dict):
+            raise TypeError("'machine' is not an object")
         names = {f.name for f in fields(RunResult)}
         runs = [RunResult(**{k: v for k, v in r.items() if k in names}) for r in d["runs"]]
         return BenchReport(
@@ -371,10 +375,34 @@ def load_report(path: Path) -> BenchReport:
             runs,
             seed=_seed_of(d),
         )
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    except (
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        ValueError,
+        OverflowError,
+    ) as e:
         raise ValueError(
             f"{path}: not a report of `bench --json` ({type(e).__name__}: {e})"
         ) from None
+
+
+def _check_numbers(value: Any) -> None:
+    """Every number in a report is finite and within a double's exact integers."""
+    if isinstance(value, dict):
+        for v in value.values():
+            _check_numbers(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_numbers(v)
+    elif isinstance(value, bool):
+        return
+    elif isinstance(value, int) and abs(value) > 2**53:
+        raise ValueError(f"the number {value:.3g} is out of range")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"the number {value} is not finite")
 
 
 def _seed_of(d: dict[str, Any]) -> int | None:

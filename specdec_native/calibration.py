@@ -67,7 +67,7 @@ def load(key_inputs: dict[str, Any]) -> tuple[list[float], list[float]] | None:
         if data["inputs"] != key_inputs:
             return None
         return [float(t) for t in data["verify_costs"]], [float(t) for t in data["draft_costs"]]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return None
 
 

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import math
+import numbers
+import operator
 import os
 import queue
 import random
 import threading
 import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
@@ -20,6 +24,7 @@ from specdec_native import _core, calibration
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT = 64
 INT32_MAX = (1 << 31) - 1  # the engine's counts and token ids are 32-bit
+FLOAT32_TINY, FLOAT32_MAX = 1e-30, 1e38  # sampling settings are 32-bit floats in the engine
 AUTO = "auto"
 NGRAM = "ngram"  # as the draft: propose from n-gram matches in the context, no draft model
 DraftLength = Union[int, str]  # a fixed K, or "auto"
@@ -27,6 +32,49 @@ DraftLength = Union[int, str]  # a fixed K, or "auto"
 
 class EngineClosedError(RuntimeError):
     """The decoder was used after close()."""
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (a TypeError, and a ValueError like every bad argument)."""
+
+
+# llama.cpp's OpenMP threads do not survive fork(): a child forked from a process that has run
+# the engine hangs in its first decode. Refuse there with a clear error instead.
+_used_in_this_process = False
+_forked_after_use = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or _used_in_this_process
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _check_not_forked() -> None:
+    global _used_in_this_process
+    if _forked_after_use:
+        raise RuntimeError(
+            "specdec cannot run in a process forked from one that already ran it (llama.cpp's "
+            "worker threads do not survive fork); use multiprocessing's 'spawn' or "
+            "'forkserver' start method"
+        )
+    _used_in_this_process = True
+
+
+# Decoders still open, closed at exit: a generation running on a daemon thread while the
+# interpreter shuts down would otherwise be torn down mid-call (and the process abort).
+_open_decoders: weakref.WeakSet[SpeculativeDecoder] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_decoders() -> None:
+    for dec in list(_open_decoders):
+        try:
+            dec.close()
+        except Exception:  # exiting anyway: one decoder's trouble must not keep the others open
+            pass
 
 
 @dataclass(frozen=True)
@@ -120,20 +168,45 @@ class GenerationResult:
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
-    return value
+    """An integer (numpy's too) in [lo, hi]."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ArgumentTypeError(f"{name} must be an integer, got {value!r}")
+    v = operator.index(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
 
 
 def _check_float(name: str, value: Any, ok: Callable[[float], bool], rule: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    v = float(value)
+    """A finite number (numpy's too) passing `ok`, that the engine's 32-bit floats can hold."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be {rule}, got a number too large") from None
     if math.isnan(v) or math.isinf(v) or not ok(v):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
+    if v != 0 and not FLOAT32_TINY <= abs(v) <= FLOAT32_MAX:
+        raise ValueError(f"{name} is {v!r}: too far from 1 for a 32-bit float")
     return v
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_text(name: str, value: Any) -> str:
+    """A str that is valid Unicode (no lone surrogates), for the engine's UTF-8."""
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{name} must be a string, got {value!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode (lone surrogate at {e.start})") from None
+    return value
 
 
 def _is_auto(n_draft: Any) -> bool:
@@ -175,10 +248,11 @@ def _model_address(llm: Any) -> int:
 def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
     if stop is None:
         return []
+    if isinstance(stop, (bytes, bytearray, memoryview)):
+        raise ArgumentTypeError("stop must be a str or a list of str, not bytes")
     items = [stop] if isinstance(stop, str) else list(stop)
     for s in items:
-        if not isinstance(s, str):
-            raise ValueError(f"stop strings must be str, got {s!r}")
+        _check_text("a stop string", s)
         if s == "":
             raise ValueError("stop strings must not be empty")
     return items
@@ -219,6 +293,7 @@ class SpeculativeDecoder:
         verbose: bool = False,
         _borrow: tuple[Any, Any] = (None, None),
     ) -> None:
+        _check_not_forked()
         target_path = _check_model_path("target", target)
         if draft is not None and os.fspath(draft) == NGRAM:
             draft, ngram = None, True
@@ -251,6 +326,7 @@ class SpeculativeDecoder:
         )
         # Llama objects whose weights the engine uses: kept alive as long as it is.
         self._borrowed = [llm for llm in _borrow if llm is not None]
+        _open_decoders.add(self)
         self.target_path = target_path
         self.draft_path = draft_path
         # Where the "auto" policy's cost curve came from: None (not yet), "measured", "cache".
@@ -297,8 +373,15 @@ class SpeculativeDecoder:
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Frees both models and contexts. Idempotent."""
+        """Stops a generation another thread is running (it ends "cancelled"), waits for it, and
+        frees both models' contexts (the weights, once no other decoder uses them). Idempotent.
+        From inside this decoder's own callback it raises ReentrantCallError."""
+        engine = self._engine
+        if engine is None:
+            return
+        engine.shutdown()
         self._engine = None
+        _open_decoders.discard(self)
 
     def __enter__(self) -> SpeculativeDecoder:
         return self
@@ -311,6 +394,7 @@ class SpeculativeDecoder:
         return self._engine is None
 
     def _live(self) -> _core.Engine:
+        _check_not_forked()
         if self._engine is None:
             raise EngineClosedError("this SpeculativeDecoder is closed")
         if any(llm.model is None for llm in self._borrowed):
@@ -322,7 +406,8 @@ class SpeculativeDecoder:
     @property
     def n_draft(self) -> DraftLength:
         """K, or "auto" when the decoder chooses K each step from measured costs."""
-        return AUTO if self._adaptive else self._live().n_draft
+        engine = self._live()
+        return AUTO if self._adaptive else engine.n_draft
 
     @property
     def has_draft(self) -> bool:
@@ -342,12 +427,9 @@ class SpeculativeDecoder:
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
-        if not isinstance(text, str):
-            raise ValueError(f"text must be str, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"text is not valid Unicode (lone surrogate at {e.start})") from None
+        _check_text("text", text)
+        _check_bool("add_special", add_special)
+        _check_bool("parse_special", parse_special)
         return self._live().tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
@@ -362,20 +444,20 @@ class SpeculativeDecoder:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("each message must be a dict with 'role' and 'content'")
             for key in ("role", "content"):
-                value = m[key]
-                if not isinstance(value, str):
-                    raise TypeError(f"message {i}'s {key} must be a string, got {value!r}")
+                value = _check_text(f"message {i}'s {key}", m[key])
                 if "\0" in value:
                     raise ValueError(f"message {i}'s {key} contains a NUL character")
             pairs.append((m["role"], m["content"]))
         if not pairs:
             raise ValueError("messages must not be empty")
+        _check_bool("add_generation_prompt", add_generation_prompt)
         return self._live().apply_chat_template(pairs, add_generation_prompt)
 
     def next_token_logits(self, tokens: Sequence[int], *, batched: bool = True) -> list[float]:
         """The target's logits for the token after ``tokens``, read afresh: in batches (as the
         verify pass reads), or one token per decode (as target-only generation reads)."""
-        return self._live().next_token_logits(list(tokens), batched)
+        _check_bool("batched", batched)
+        return self._live().next_token_logits(self._prompt_tokens(tokens), batched)
 
     def measure_decode_cost(
         self, prompt: str | Sequence[int], max_n: int = 9, *, repeats: int = 5, draft: bool = False
@@ -385,6 +467,7 @@ class SpeculativeDecoder:
         tokens = self._prompt_tokens(prompt)
         _check_int("max_n", max_n, 1, MAX_DRAFT + 1)
         _check_int("repeats", repeats, 1, 1000)
+        _check_bool("draft", draft)
         return self._live().measure_decode_cost(tokens, max_n, repeats, draft)
 
     def calibrate(self, prompt: str | Sequence[int] = "The") -> None:
@@ -424,9 +507,11 @@ class SpeculativeDecoder:
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, (bytes, bytearray, memoryview)):
-            raise TypeError("the prompt must be str or a list of token ids, not bytes: decode it")
-        if not isinstance(prompt, (str, Sequence)):
-            raise TypeError(
+            raise ArgumentTypeError(
+                "the prompt must be str or a list of token ids, not bytes: decode it"
+            )
+        if not isinstance(prompt, (str, Iterable)):
+            raise ArgumentTypeError(
                 f"the prompt must be str or a list of token ids, got {type(prompt).__name__}"
             )
         if isinstance(prompt, str):
@@ -608,6 +693,16 @@ class SpeculativeDecoder:
         """stream() for asyncio code: yields text pieces as they are generated, without blocking
         the event loop. Leaving the loop early (break, an exception, a cancelled task) stops the
         generation."""
+        async for item in self.astream_events(prompt, max_tokens, **kwargs):
+            if isinstance(item, str):
+                yield item
+            else:
+                self.last_result = item
+
+    async def astream_events(
+        self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
+    ) -> AsyncIterator[str | GenerationResult]:
+        """As astream(), and last the GenerationResult (stats, finish reason)."""
         for name in ("on_text", "cancel"):
             if name in kwargs:
                 raise ValueError(f"astream() does not take {name}")
@@ -635,12 +730,10 @@ class SpeculativeDecoder:
         try:
             while True:
                 kind, value = await pieces.get()
-                if kind == "text":
-                    yield value
-                elif kind == "error":
+                if kind == "error":
                     raise value
-                else:
-                    self.last_result = value
+                yield value
+                if kind == "done":
                     return
         finally:
             flag.cancel()  # no effect once the generation has finished

@@ -305,13 +305,33 @@ def build_deep_pair(
         raise ValueError("epsilon must be in (0, 1]")
     if draft_skip < 0:
         raise ValueError("draft_skip must be >= 0")
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(QUANT_TYPES)}")
     source = source or fetch_smollm2(progress=progress)
-    n_layer = _block_count(source)
+    try:
+        n_layer = _block_count(source)
+    except (KeyError, IndexError, ValueError, TypeError) as e:
+        raise ValueError(f"{source} is not a usable GGUF model ({e!r})") from None
     if (1 + extra_copies) * n_layer > MAX_LAYERS:
         raise ValueError(
             f"a target of {1 + extra_copies} x {n_layer} layers is over llama.cpp's "
             f"{MAX_LAYERS}; use at most {MAX_LAYERS // n_layer - 1} copies"
         )
+    try:
+        return _build_deep_pair(source, extra_copies, epsilon, quant, draft_skip, out_dir, progress)
+    except (KeyError, IndexError, TypeError) as e:  # tensors that do not match the metadata
+        raise ValueError(f"cannot build a pair from {source}: {e!r}") from None
+
+
+def _build_deep_pair(
+    source: Path,
+    extra_copies: int,
+    epsilon: float,
+    quant: str,
+    draft_skip: int,
+    out_dir: Path | None,
+    progress: Progress,
+) -> ModelPair:
     out_dir = out_dir or cache_dir()
     stem = source.name.removesuffix(".gguf")
     target = out_dir / f"{stem}.deep{1 + extra_copies}x-eps{epsilon:g}.{quant}.gguf"

@@ -67,7 +67,12 @@ def rewrite_gguf(
 
     reader = gguf.GGUFReader(str(src))
     writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
-    _copy_metadata(reader, writer, dict(metadata or {}))
+    metadata = dict(metadata or {})
+    new = {k: metadata.pop(k) for k in list(metadata) if k not in reader.fields}
+    _copy_metadata(reader, writer, metadata)
+    for key, value in new.items():  # keys the source lacks: typed by their Python value
+        vtype = gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32
+        writer.add_key_value(key, value, vtype)
     for t in reader.tensors:
         arr = _as_float(t)
         writer.add_tensor(t.name, tensors(t.name, arr) if tensors else arr)

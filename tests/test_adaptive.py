@@ -141,7 +141,7 @@ def test_damaged_or_stale_cost_curve_is_measured_again(
         dec.generate("the cat", 20)
     (path,) = (tmp_path / "calibration").glob("*.json")
     record = json.loads(path.read_text())
-    for bad in ([-1.0, 0.002], [0.001], "x", None):
+    for bad in ([-1.0, 0.002], [0.001], "x", None, [10**400, 0.002]):
         record["verify_costs"] = bad
         path.write_text(json.dumps(record))
         with _decoder(tiny_pair) as dec:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -345,3 +346,107 @@ def test_run_reuses_measured_costs_unless_told_to_recalibrate(
     assert "measured now" in notes[0]
     assert "calibration cache" in notes[1]
     assert "measured now" in notes[2]
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_into_a_full_disk_is_one_line(flag: str) -> None:
+    r = run_with_stdout(">/dev/full", flag)
+    assert r.returncode == 1 and r.stderr.strip() == "Error: no space left to write the output"
+
+
+def test_an_error_with_stderr_closed_does_not_go_to_stdout(tiny_pair: models.ModelPair) -> None:
+    cmd = " ".join(
+        ["exec", *(f"'{a}'" for a in [*CLI, "run", str(tiny_pair.target)]), "-k x -p a 2>&-"]
+    )
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stdout == ""
+
+
+def test_a_closed_stdin_without_a_prompt_is_an_error(tiny_pair: models.ModelPair) -> None:
+    cmd = " ".join(["exec", *(f"'{a}'" for a in [*CLI, "run", str(tiny_pair.target)]), "<&-"])
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(r, "no prompt")
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("-k", "-3"), "expected K values"),
+        (("-k", "3_0"), "expected K values"),
+        (("-k", "99"), "K must be in"),
+        (("-k", ""), "expected comma-separated K"),
+        (("--temps", "nan"), "numbers >= 0"),
+        (("--temps", ""), "numbers >= 0"),
+        (("--seed", "-5"), "--seed must be in"),
+        (("--json", "/nonexistent/dir/r.json"), "does not exist"),
+    ],
+)
+def test_bench_refuses_bad_options_before_loading(
+    tiny_pair: models.ModelPair, args: tuple[str, ...], match: str
+) -> None:
+    r = run_cli("bench", tiny_pair.target, "--draft", tiny_pair.draft, "-r", "1", *args)
+    assert_one_line_error(r, match)
+
+
+def test_bench_draft_without_target(tiny_pair: models.ModelPair) -> None:
+    assert_one_line_error(run_cli("bench", "--draft", tiny_pair.draft), "--draft needs a TARGET")
+
+
+def test_run_k_in_other_digits(tiny_pair: models.ModelPair) -> None:
+    assert_one_line_error(run_cli("run", tiny_pair.target, "-p", "a", "-k", "3_0"), "integer")
+
+
+def test_info_with_an_ngram_draft(tiny_pair: models.ModelPair) -> None:
+    r = run_cli("info", tiny_pair.target, "--draft", "ngram")
+    assert r.returncode == 0, r.stderr
+    assert "pair: n-gram drafting needs no draft model" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d.update(machine=[1]),
+        lambda d: d.update(seed=float("inf")),
+        lambda d: d["runs"][0].update(speedup_by_repeat=[10**400]),
+    ],
+)
+def test_bench_pool_refuses_odd_reports(
+    tiny_pair: models.ModelPair, tmp_path: Path, edit: Any
+) -> None:
+    good = tmp_path / "good.json"
+    r = run_cli(
+        "bench",
+        tiny_pair.target,
+        "--draft",
+        tiny_pair.draft,
+        "-k",
+        "1,auto",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--only",
+        "code",
+        "--json",
+        good,
+    )
+    assert r.returncode == 0, r.stderr
+    data = json.loads(good.read_text())
+    edit(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data).replace("Infinity", "1e400"))
+    assert_one_line_error(run_cli("bench-pool", good, bad), "not a report")
+
+
+def test_deep_pair_refuses_a_damaged_source_and_a_bad_quant(
+    tiny_pair: models.ModelPair, tmp_path: Path
+) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_pair.target.read_bytes()[:200])
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("models", "deep-pair", "--source", cut, "--out", out), "usable")
+    r = run_cli(
+        "models", "deep-pair", "--source", tiny_pair.target, "--quant", "bogus", "--out", out
+    )
+    assert_one_line_error(r, "unknown quant")
+    assert not list(out.glob("*.gguf"))

@@ -39,6 +39,27 @@ def test_malformed_hyperparameter_is_a_load_error(
         sd.SpeculativeDecoder(tiny_pair.target, bad)
 
 
+@pytest.mark.parametrize(
+    "metadata,match",
+    [
+        ({f"{ARCH}.expert_used_count": 2}, "expert_used_count is 2"),
+        ({f"{ARCH}.expert_count": 4, f"{ARCH}.expert_used_count": 0}, "expert_used_count must"),
+        ({f"{ARCH}.expert_count": 4, f"{ARCH}.expert_used_count": 8}, "expert_used_count is 8"),
+        ({f"{ARCH}.rope.scaling.type": "bogus"}, "rope.scaling.type is 'bogus'"),
+        ({"tokenizer.ggml.model": "none"}, "no tokenizer"),
+        ({"tokenizer.ggml.model": "bert"}, "WordPiece"),
+        ({"tokenizer.ggml.tokens": ["a"] * 319}, "repeats an earlier token"),
+        ({"tokenizer.ggml.tokens": [""] * 319}, "repeats an earlier token"),
+    ],
+)
+def test_metadata_llama_cpp_would_abort_on_is_a_load_error(
+    tiny_pair: models.ModelPair, tmp_path: Path, metadata: dict[str, object], match: str
+) -> None:
+    bad = rewrite_gguf(tiny_pair.target, tmp_path / "bad.gguf", metadata=metadata)
+    with pytest.raises(sd.ModelLoadError, match=match):
+        sd.SpeculativeDecoder(bad)
+
+
 def broken_head(how: str):  # type: ignore[no-untyped-def]
     """Maps the output head so that every logit is NaN, or one token's is +inf."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,3 +191,71 @@ def test_noise_must_be_finite(tmp_path: Path) -> None:
 def test_a_deep_target_over_llamas_layer_limit(smollm2: Path) -> None:
     with pytest.raises(ValueError, match="over llama.cpp's 512"):
         models.build_deep_pair(smollm2, extra_copies=100)
+
+
+def test_numpy_numbers_are_numbers(tiny_decoder: sd.SpeculativeDecoder) -> None:
+    import numpy as np
+
+    r = tiny_decoder.generate(
+        [np.int64(1), np.int32(300)],
+        np.int64(4),
+        n_draft=np.int64(2),
+        seed=np.uint64(5),
+        temperature=np.float32(0.5),
+    )
+    assert len(r.tokens) == 4
+    assert tiny_decoder.generate(np.array([1, 300]), 2).tokens  # an array of ids, too
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": 1e-50}, "32-bit"),
+        ({"temperature": 1e39}, "32-bit"),
+        ({"temperature": 10**400}, "too large"),
+        ({"top_p": 1e-50}, "32-bit"),
+        ({"draft_p_min": 10**400}, "too large"),
+    ],
+)
+def test_floats_the_engine_cannot_hold(
+    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict[str, float], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        tiny_decoder.generate("the", 3, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda d: d.generate("the", 3, stop=b"q"), TypeError, "not bytes"),
+        (lambda d: d.generate("the", 3, stop=["\udcff"]), ValueError, "surrogate"),
+        (lambda d: d.tokenize("the", add_special="no"), TypeError, "add_special"),
+        (lambda d: d.measure_decode_cost("the", 2, draft="yes"), TypeError, "draft"),
+        (lambda d: d.measure_decode_cost([10**6], 2), ValueError, "outside the vocabulary"),
+        (lambda d: d.calibrate([10**6]), ValueError, "outside the vocabulary"),
+        (lambda d: d.next_token_logits([2**31]), ValueError, "prompt token"),
+        (lambda d: d.next_token_logits([1.0]), TypeError, "integer"),
+        (lambda d: d.generate("the", 2.5), TypeError, "integer"),
+    ],
+)
+def test_bad_arguments_of_every_method(
+    tiny_decoder: sd.SpeculativeDecoder, call: Any, error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        call(tiny_decoder)
+
+
+def test_bad_chat_arguments(smollm2_q40: Path) -> None:
+    with sd.SpeculativeDecoder(smollm2_q40, n_ctx=256) as dec:
+        with pytest.raises(ValueError, match="surrogate"):
+            dec.apply_chat_template([{"role": "user", "content": "a\udcffb"}])
+        with pytest.raises(TypeError, match="add_generation_prompt"):
+            dec.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt="x")  # type: ignore[arg-type]
+
+
+def test_every_property_after_close(tiny_pair: models.ModelPair) -> None:
+    dec = sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft)
+    dec.close()
+    for name in ("n_draft", "has_draft", "n_ctx"):
+        with pytest.raises(sd.EngineClosedError):
+            getattr(dec, name)

@@ -173,3 +173,117 @@ def test_two_quick_ctrl_c_exit_130_with_one_line(deep_pair: models.ModelPair) ->
     err = proc.stderr.read().decode()
     assert rc == 130, err
     assert err.strip() == "interrupted", err
+
+
+def run_script(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**__import__("os").environ, "GGML_NO_BACKTRACE": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("how", ["stream", "daemon thread"])
+def test_exiting_while_a_generation_runs_is_clean(tiny_pair: models.ModelPair, how: str) -> None:
+    r = run_script(
+        """
+        import sys, threading, time, specdec_native as sd
+        d = sd.SpeculativeDecoder(sys.argv[1], n_ctx=4096, n_threads=1)
+        if sys.argv[2] == "stream":
+            it = d.stream([1, 300, 270], 3000)
+            print(next(it) is not None, flush=True)
+        else:
+            threading.Thread(target=lambda: d.generate([1, 300, 270], 3000, on_text=lambda t: None),
+                             daemon=True).start()
+            time.sleep(0.5)
+        print("exiting", flush=True)
+        """,
+        str(tiny_pair.target),
+        how.split()[0],
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "exiting" in r.stdout and "terminate" not in r.stderr
+
+
+def test_close_stops_a_generation_running_on_another_thread(tiny_pair: models.ModelPair) -> None:
+    import threading
+
+    dec = sd.SpeculativeDecoder(tiny_pair.target, n_ctx=4096, n_threads=1)
+    out: dict[str, sd.GenerationResult] = {}
+    worker = threading.Thread(target=lambda: out.update(r=dec.generate([1, 300, 270], 3000)))
+    worker.start()
+    time.sleep(0.5)
+    dec.close()  # returns once the generation has stopped
+    assert out["r"].finish_reason == "cancelled" and 0 < len(out["r"].tokens) < 3000
+    worker.join()
+    with pytest.raises(sd.EngineClosedError):
+        dec.generate("Hi", 2)
+
+
+def test_closing_from_a_callback_raises(tiny_pair: models.ModelPair) -> None:
+    with sd.SpeculativeDecoder(tiny_pair.target, n_threads=1) as dec:
+        with pytest.raises(sd.ReentrantCallError, match="close"):
+            dec.generate([1, 300], 4, on_text=lambda _: dec.close())
+        assert len(dec.generate([1, 300], 3).tokens) == 3
+
+
+def test_a_child_forked_after_use_refuses_instead_of_hanging(tiny_pair: models.ModelPair) -> None:
+    r = run_script(
+        """
+        import multiprocessing, sys, specdec_native as sd
+        d = sd.SpeculativeDecoder(sys.argv[1], n_ctx=256)
+        d.generate([1, 300], 8)
+        def child(q):
+            try:
+                sd.SpeculativeDecoder(sys.argv[1], n_ctx=256).generate([1, 300], 8)
+                q.put("generated")
+            except RuntimeError as e:
+                q.put(str(e))
+        q = multiprocessing.get_context("fork").Queue()
+        p = multiprocessing.get_context("fork").Process(target=child, args=(q,))
+        p.start(); p.join(30)
+        print("alive" if p.is_alive() else q.get(timeout=5), flush=True)
+        if p.is_alive(): p.kill()
+        """,
+        str(tiny_pair.target),
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "spawn" in r.stdout, r.stdout
+
+
+def test_ctrl_c_while_waiting_for_the_decoder_stops_only_the_waiting_call(
+    tiny_pair: models.ModelPair,
+) -> None:
+    script = textwrap.dedent("""
+        import signal, sys, threading, time, specdec_native as sd
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        d = sd.SpeculativeDecoder(sys.argv[1], n_ctx=4096, n_threads=1)
+        out = {}
+        other = threading.Thread(target=lambda: out.update(r=d.generate([1, 300, 270], 3000)))
+        other.start()
+        time.sleep(0.3)
+        print("waiting", flush=True)
+        t0 = time.time()
+        try:
+            d.generate([1, 280], 300)
+            print("finished", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", round(time.time() - t0, 2), flush=True)
+        other.join()
+        print("other", out["r"].finish_reason, len(out["r"].tokens), flush=True)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(tiny_pair.target)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "waiting"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    first = proc.stdout.readline().split()
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0
+    assert first[0] == "interrupted" and float(first[1]) < 2.0, first
+    assert "other length 3000" in rest, rest  # the running generation was not the one stopped
