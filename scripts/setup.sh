@@ -97,4 +97,7 @@ main() {
     log "ready: $VENV"
 }
 
-main "$@"
+# Sourced (scripts/build_llama_cpp_tools.sh uses the CPU flags above): define, do not run.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    main "$@"
+fi
