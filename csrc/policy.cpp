@@ -224,7 +224,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     // position's chance of acceptance instead, without the draw's noise, and there the margin
     // cost more than it saved: on the layer-skip pair at T = 0.8, the steps it kept drafting
     // (target-only predicted 3-10 % faster) ran at 0.77-0.97x of target-only
-    // (docs/adaptive.md, tenth session).
+    // (docs/adaptive.md, "Hysteresis and limits").
     const bool leaving = best == 0 && current_k_ > 0;
     const double margin = leaving && !sampled_ ? kLeaveMargin : config_.hysteresis;
     if (current_k_ >= 0 && current_k_ <= cap && rate[best] < rate[current_k_] * (1.0 + margin))

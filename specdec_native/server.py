@@ -478,6 +478,9 @@ class Server:
         except (ValueError, TypeError) as e:
             self.metrics.rejected.labels(status="400").inc()
             return RequestError(400, str(e)).response()
+        except RuntimeError as e:  # the model or the backend failed (non-finite logits, ...)
+            log.error("request failed: %s: %s", type(e).__name__, e)
+            return RequestError(500, f"{type(e).__name__}: {e}", kind="server_error").response()
         finally:
             if admitted_here:
                 self.release()
@@ -554,6 +557,11 @@ class Server:
             yield "[DONE]"
         except (_core.ContextOverflowError, ValueError, TypeError) as e:
             yield json.dumps({"error": {"message": str(e), "type": "invalid_request_error"}})
+        except RuntimeError as e:  # the model or the backend failed mid-stream
+            log.error("request failed: %s: %s", type(e).__name__, e)
+            yield json.dumps(
+                {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}}
+            )
         finally:
             self.release()
 

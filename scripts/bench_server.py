@@ -1,0 +1,143 @@
+"""End-to-end speed of OpenAI-compatible servers: specdec's against llama.cpp's llama-server,
+on the same pair, on this machine, in one run.
+
+    .venv/bin/python scripts/bench_server.py [--rounds 2] [-n 64] [TARGET DRAFT]
+
+Each server is started on a loopback port, warmed up, and sent the same streamed completion
+requests at concurrency 1 and 4 (greedy, `max_tokens` each). A round runs every server and
+concurrency once, in a rotated order. Reported: aggregate generated tokens per second (all
+requests' tokens over the wall time of the batch), and the median time to first token.
+llama-server comes from scripts/build_llama_cpp_tools.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from specdec_native import models
+
+ROOT = Path(__file__).parent.parent
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "def merge_sort(xs):\n    ",
+    "List the planets of the solar system with one fact about each:\n1.",
+    "Explain how a bicycle stays upright, in plain words.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], seconds: float = 600) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("server did not become ready")
+
+
+def one_request(url: str, prompt: str, n: int) -> tuple[float, int]:
+    """(seconds to the first text, tokens generated) of one streamed completion."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    start = time.monotonic()
+    first = None
+    tokens = 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if first is None and any(c.get("text") for c in event.get("choices", [])):
+                first = time.monotonic() - start
+            if "timings" in event:
+                tokens = int(event["timings"]["predicted_n"])
+    return (first if first is not None else time.monotonic() - start), tokens
+
+
+def run_batch(url: str, concurrency: int, n: int) -> tuple[float, float]:
+    """(aggregate tok/s, median TTFT) of 2 x `concurrency` requests, `concurrency` at a time."""
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(2 * concurrency)]
+    start = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: one_request(url, p, n), jobs))
+    wall = time.monotonic() - start
+    return sum(t for _, t in results) / wall, statistics.median(f for f, _ in results)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("target", nargs="?", type=Path)
+    ap.add_argument("draft", nargs="?", type=Path)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if args.target is None:
+        pair = models.default_pair()
+        args.target, args.draft = pair.target, pair.draft
+    tools = subprocess.run(
+        ["bash", str(ROOT / "scripts/build_llama_cpp_tools.sh")],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    t = str(args.threads)
+    servers = {
+        "specdec serve (auto)": lambda port: [
+            sys.executable, "-m", "cli.main", "serve", str(args.target), "--draft",
+            str(args.draft), "-c", "4096", "-t", t, "--port", str(port),
+        ],
+        "llama-server -md (its defaults)": lambda port: [
+            f"{tools}/llama-server", "-m", str(args.target), "-md", str(args.draft), "-c", "4096",
+            "-t", t, "-td", t, "--port", str(port), "--host", "127.0.0.1", "-np", "4",
+        ],
+    }  # fmt: skip
+    results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(args.rounds):
+        order = list(servers) if r % 2 == 0 else list(reversed(servers))
+        for name in order:
+            port = free_port()
+            proc = subprocess.Popen(
+                servers[name](port), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            url = f"http://127.0.0.1:{port}"
+            try:
+                wait_ready(url, proc)
+                one_request(url, "Hello", 8)  # warm-up
+                for c in (1, 4):
+                    results.setdefault((name, c), []).append(run_batch(url, c, args.n))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    print(f"{args.target.name} + {args.draft.name}, {args.n} tokens per request, greedy")
+    print("| server | concurrency | aggregate tok/s | median TTFT (s) | rounds (tok/s) |")
+    print("|---|---|---|---|---|")
+    for (name, c), rows in results.items():
+        speeds = [s for s, _ in rows]
+        print(
+            f"| {name} | {c} | {statistics.median(speeds):.1f} | "
+            f"{statistics.median(f for _, f in rows):.2f} | {', '.join(f'{s:.1f}' for s in speeds)} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
