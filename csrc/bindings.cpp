@@ -372,7 +372,6 @@ PYBIND11_MODULE(_core, m) {
              })
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
-        .def("cancel", &Engine::cancel)
         .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {

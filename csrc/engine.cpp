@@ -65,7 +65,6 @@ class Engine::Hold {
             throw Cancelled("the engine is shutting down");
         }
         e.owner_.store(std::this_thread::get_id());
-        e.cancel_requested_.store(false);
         e.request_cancel_ = std::move(cancel);
         e.deadline_ = deadline;
     }

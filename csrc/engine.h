@@ -93,9 +93,6 @@ class Engine {
     // tokens) instead of measuring them now.
     void set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs);
     const AdaptivePolicy& policy() const { return policy_; }
-    // Thread-safe and async-signal-safe: makes the running call (if any) stop at its next
-    // decode.
-    void cancel() { cancel_requested_.store(true); }
     // Stops the running call, refuses every later one, and returns once none runs: after it the
     // engine can be destroyed. Throws ReentrantCallError from inside a call (a callback).
     void shutdown();
@@ -110,10 +107,9 @@ class Engine {
   private:
     friend class Generation;
     class Hold;
-    // Whether the running call must stop: cancel(), or its own request's flag.
+    // Whether the running call must stop: shutdown(), or its own request's flag.
     bool stop_requested() const {
-        return closing_.load() || cancel_requested_.load() ||
-               (request_cancel_ && request_cancel_->requested.load());
+        return closing_.load() || (request_cancel_ && request_cancel_->requested.load());
     }
     // Throws std::invalid_argument for a token outside the vocabulary.
     void check_tokens(const std::vector<llama_token>& tokens) const;
@@ -142,7 +138,6 @@ class Engine {
     Batch target_batch_;
     std::timed_mutex busy_;
     std::atomic<std::thread::id> owner_{};  // the thread holding busy_
-    std::atomic<bool> cancel_requested_{false};
     std::atomic<bool> closing_{false};
     // The running request's own stop conditions, read by every decode.
     std::shared_ptr<CancelFlag> request_cancel_;

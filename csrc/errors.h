@@ -37,7 +37,7 @@ struct ReentrantCallError : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// Generation was stopped by the caller (Ctrl-C, cancel(), or an exception in a callback).
+// A call was stopped: its cancel flag (Ctrl-C sets it), shutdown, or a callback that raised.
 struct Cancelled : std::runtime_error {
     using std::runtime_error::runtime_error;
 };

@@ -12,6 +12,7 @@ import os
 import queue
 import random
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -538,6 +539,7 @@ class SpeculativeDecoder:
         n_draft: DraftLength | None = None,
         draft_p_min: float = 0.0,
         timeout: float | None = None,
+        deadline: float | None = None,
         on_text: Callable[[str], None] | None = None,
         cancel: _core.CancelFlag | None = None,
     ) -> GenerationResult:
@@ -552,7 +554,9 @@ class SpeculativeDecoder:
         speculation does not pay). ``draft_p_min`` stops a draft early when the draft model's
         probability of its next token is below it.
         ``timeout`` (seconds, from this call, waiting for the decoder included) ends the
-        generation with finish_reason "timeout". ``cancel`` (a ``CancelFlag``) stops this call
+        generation with finish_reason "timeout"; ``deadline`` (a ``time.monotonic()`` value) does
+        the same at that moment, counted from wherever the caller started its clock (a server
+        queue, say). ``cancel`` (a ``CancelFlag``) stops this call
         alone, from any thread, with finish_reason "cancelled".
         ``on_text`` receives the text as it is committed, in whole UTF-8 characters.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
@@ -576,6 +580,11 @@ class SpeculativeDecoder:
             if timeout is None
             else _check_float("timeout", timeout, lambda v: v > 0, "a number of seconds > 0")
         )
+        if deadline is not None:
+            _check_float("deadline", deadline, lambda v: True, "a time.monotonic() value")
+            # The engine's timeout must be > 0; one already past times out at once.
+            left = max(deadline - time.monotonic(), 1e-6)
+            seconds = min(seconds, left) if seconds else left
         if cancel is not None and not isinstance(cancel, _core.CancelFlag):
             raise TypeError(f"cancel must be a CancelFlag, got {type(cancel).__name__}")
         first_adaptive = (

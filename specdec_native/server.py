@@ -152,7 +152,7 @@ class Metrics:
             registry=r,
         )
 
-    def observe(self, result: GenerationResult, seconds: float) -> None:
+    def observe(self, result: GenerationResult, seconds: float, waited: float) -> None:
         s = result.stats
         self.drafts.inc(s.n_speculative_steps)
         self.draft_tokens.inc(s.n_drafted)
@@ -167,7 +167,7 @@ class Metrics:
         if s.fallback_reason or s.draft_error:
             self.fallbacks.labels(reason=s.draft_error or s.fallback_reason).inc()
         if s.n_generated:
-            self.ttft.observe(s.t_first_token)
+            self.ttft.observe(waited + s.t_first_token - s.t_queue)
         if s.n_generated > 1:
             self.itl.observe(
                 max(s.t_total - (s.t_first_token - s.t_queue), 0.0) / (s.n_generated - 1)
@@ -323,8 +323,9 @@ def _parse(body: Any, chat: bool, decoder: SpeculativeDecoder, settings: ServerS
         "stop": _stop(body),
         "n_draft": n_draft,
         "draft_p_min": p_min,
-        "timeout": settings.request_timeout,
     }
+    if settings.request_timeout:
+        kwargs["deadline"] = time.monotonic() + settings.request_timeout
     # Without max_tokens, generate until the end token or a full context, as OpenAI does.
     kwargs["max_tokens"] = min(max_tokens or limit, limit)
     return Job(prompt, kwargs, stream, bool(options.get("include_usage")))
@@ -348,8 +349,9 @@ def _usage(result: GenerationResult) -> dict[str, int]:
     }
 
 
-def timings(result: GenerationResult) -> dict[str, Any]:
-    """llama.cpp's `timings` object, plus what speculation did."""
+def timings(result: GenerationResult, waited: float) -> dict[str, Any]:
+    """llama.cpp's `timings` object, plus what speculation did and how long the request waited
+    for the engine (`waited`, seconds)."""
     s = result.stats
     gen = s.t_generation
     return {
@@ -363,7 +365,7 @@ def timings(result: GenerationResult) -> dict[str, Any]:
         "draft_n_accepted": s.n_accepted,
         "acceptance_rate": s.acceptance_rate,
         "fallback_reason": s.draft_error or s.fallback_reason,
-        "queue_ms": s.t_queue * 1e3,
+        "queue_ms": waited * 1e3,
         "finish_reason": result.finish_reason,
     }
 
@@ -467,8 +469,8 @@ class Server:
                 admitted_here = False  # the stream releases it when it ends
                 return EventSourceResponse(self._stream(job, rid, chat, started), ping=15, sep="\n")
             result = await self.decoder.agenerate(job.prompt, **job.kwargs)
-            self._finish(rid, result, started)
-            return JSONResponse(self._completion(rid, chat, result))
+            waited = self._finish(rid, result, started)
+            return JSONResponse(self._completion(rid, chat, result, waited))
         except RequestError as e:
             self.metrics.rejected.labels(status=str(e.status)).inc()
             return e.response()
@@ -485,9 +487,12 @@ class Server:
             if admitted_here:
                 self.release()
 
-    def _finish(self, rid: str, result: GenerationResult, started: float) -> None:
+    def _finish(self, rid: str, result: GenerationResult, started: float) -> float:
+        """Counts and logs a finished request; returns the seconds it waited for the engine."""
         seconds = time.monotonic() - started
-        self.metrics.observe(result, seconds)
+        # Requests queue for the engine's thread before its own clock starts.
+        waited = max(seconds - result.stats.t_total, result.stats.t_queue)
+        self.metrics.observe(result, seconds, waited)
         s = result.stats
         fields = {
             "id": rid,
@@ -500,8 +505,11 @@ class Server:
             "latency_s": round(seconds, 3),
         }
         log.info("request", extra={"fields": fields})
+        return waited
 
-    def _completion(self, rid: str, chat: bool, result: GenerationResult) -> dict[str, Any]:
+    def _completion(
+        self, rid: str, chat: bool, result: GenerationResult, waited: float
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
         if chat:
             choice["message"] = {"role": "assistant", "content": result.text}
@@ -515,7 +523,7 @@ class Server:
             "model": self.settings.model_alias,
             "choices": [choice],
             "usage": _usage(result),
-            "timings": timings(result),
+            "timings": timings(result, waited),
         }
 
     def _chunk(self, rid: str, chat: bool, text: str | None, finish: str | None) -> dict[str, Any]:
@@ -545,9 +553,9 @@ class Server:
                 if isinstance(item, str):
                     yield json.dumps(self._chunk(rid, chat, item, None))
                     continue
-                self._finish(rid, item, started)
+                waited = self._finish(rid, item, started)
                 last = self._chunk(rid, chat, None if chat else "", _finish_reason(item))
-                last["timings"] = timings(item)
+                last["timings"] = timings(item, waited)
                 yield json.dumps(last)
                 if job.include_usage:
                     usage = self._chunk(rid, chat, None, None)
@@ -617,9 +625,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Generations wait for the decoder in worker threads: enough for a full queue.
+        # Every engine call runs on one thread, in arrival order. llama.cpp's OpenMP keeps a
+        # team of worker threads per calling thread, and their spinning ate the cores: calls
+        # from a pool of 8 threads ran at 15 tok/s on the default pair where one thread ran 38.
         loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=settings.max_queue + 4))
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine"))
         starting = asyncio.create_task(server.start())
         yield
         starting.cancel()
