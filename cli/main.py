@@ -90,7 +90,7 @@ def cli() -> None:
     """Speculative decoding for GGUF models on llama.cpp."""
 
 
-def gpu_layers_option(help_text: str) -> Callable[[F], F]:
+def gpu_layers_option(help_text: str, envvar: str | None = None) -> Callable[[F], F]:
     """-ngl: how many layers llama.cpp offloads (-1: all; 99 falls short of a deep model)."""
     return click.option(
         "-ngl",
@@ -99,8 +99,34 @@ def gpu_layers_option(help_text: str) -> Callable[[F], F]:
         default=0,
         show_default=True,
         type=int,
+        envvar=envvar,
         help=help_text,
     )
+
+
+def draft_gpu_layers_option(envvar: str | None = None) -> Callable[[F], F]:
+    """-ngld: the draft's offloaded layers, by default as many as the target's."""
+    return click.option(
+        "-ngld",
+        "--n-gpu-layers-draft",
+        "draft_n_gpu_layers",
+        default=None,
+        type=int,
+        envvar=envvar,
+        help="Draft layers on the GPU (default: as -ngl).",
+    )
+
+
+def _draft_option_value(n_draft: str) -> int | str:
+    """The value of -k/--draft-max: 'auto', or K in [0, MAX_DRAFT]."""
+    from specdec_native.decoder import MAX_DRAFT
+
+    if n_draft == "auto":
+        return n_draft
+    k = _draft_length(n_draft, "-k/--draft-max must be 'auto' or an integer")
+    if not 0 <= k <= MAX_DRAFT:
+        raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {k}")
+    return k
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -224,14 +250,7 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 @click.option("-t", "--threads", "n_threads", default=None, type=int)
 @click.option("-b", "--batch-size", "n_batch", default=512, show_default=True, type=int)
 @gpu_layers_option("Target layers on the GPU (-1: all).")
-@click.option(
-    "-ngld",
-    "--n-gpu-layers-draft",
-    "draft_n_gpu_layers",
-    default=None,
-    type=int,
-    help="Draft layers on the GPU (default: as -ngl).",
-)
+@draft_gpu_layers_option()
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
 @click.option(
@@ -275,13 +294,8 @@ def run(
     SmolLM2-135M as the draft and a synthetic 6x-deep SmolLM2 target.
     """
     from specdec_native import SpeculativeDecoder, models
-    from specdec_native.decoder import MAX_DRAFT
 
-    k: int | str = n_draft
-    if n_draft != "auto":
-        k = _draft_length(n_draft, "-k/--draft-max must be 'auto' or an integer")
-        if not 0 <= k <= MAX_DRAFT:
-            raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {k}")
+    k = _draft_option_value(n_draft)
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -608,25 +622,8 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     envvar="SPECDEC_CTX_SIZE",
 )
 @click.option("-t", "--threads", "n_threads", default=None, type=int, envvar="SPECDEC_THREADS")
-@click.option(
-    "-ngl",
-    "--n-gpu-layers",
-    "n_gpu_layers",
-    default=0,
-    show_default=True,
-    type=int,
-    envvar="SPECDEC_N_GPU_LAYERS",
-    help="Target layers on the GPU (-1: all).",
-)
-@click.option(
-    "-ngld",
-    "--n-gpu-layers-draft",
-    "draft_n_gpu_layers",
-    default=None,
-    type=int,
-    envvar="SPECDEC_N_GPU_LAYERS_DRAFT",
-    help="Draft layers on the GPU (default: as -ngl).",
-)
+@gpu_layers_option("Target layers on the GPU (-1: all).", envvar="SPECDEC_N_GPU_LAYERS")
+@draft_gpu_layers_option(envvar="SPECDEC_N_GPU_LAYERS_DRAFT")
 @click.option(
     "--max-queue",
     default=16,
@@ -678,7 +675,6 @@ def serve(
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair."""
     from specdec_native import SpeculativeDecoder, models
-    from specdec_native.decoder import MAX_DRAFT
 
     try:
         import uvicorn
@@ -689,11 +685,7 @@ def serve(
             f"serve needs the server extra: pip install 'specdec[server]' ({e})"
         ) from None
 
-    k: int | str = n_draft
-    if n_draft != "auto":
-        k = _draft_length(n_draft, "-k/--draft-max must be 'auto' or an integer")
-        if not 0 <= k <= MAX_DRAFT:
-            raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {k}")
+    k = _draft_option_value(n_draft)
     if not 1 <= port <= 65535:
         raise click.ClickException(f"--port must be in [1, 65535], got {port}")
     if max_queue < 0:
