@@ -10,11 +10,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 import openai
@@ -29,6 +31,11 @@ ROOT = Path(__file__).parent.parent
 class Server:
     proc: subprocess.Popen[str]
     url: str
+    log: IO[str]  # its stderr: a file, so that a server logging every request never blocks
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-3000:]
 
     def rss_mib(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -51,8 +58,9 @@ def free_port() -> int:
 def start(*args: object, ready: bool = True) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "cli.main", "serve", *map(str, args), "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    server = Server(proc, f"http://127.0.0.1:{port}")
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=log, text=True)
+    server = Server(proc, f"http://127.0.0.1:{port}", log)
     if ready:
         wait_ready(server)
     return server
@@ -64,7 +72,7 @@ def wait_ready(server: Server, seconds: float = 180) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise AssertionError(f"the server exited: {server.proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+            raise AssertionError(f"the server exited: {server.stderr()}")
         try:
             status = httpx.get(server.url + "/health", timeout=2).status_code
             seen.append(status)
