@@ -709,6 +709,7 @@ def serve(
         max_queue=max_queue,
         request_timeout=request_timeout,
         n_draft=k if has_drafter else 0,
+        grace=grace,
     )
 
     def load() -> SpeculativeDecoder:
@@ -736,7 +737,7 @@ def serve(
         port=port,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=math.ceil(grace),
+        timeout_graceful_shutdown=math.ceil(grace) + 1,  # after the streams' own grace
     )
     server = uvicorn.Server(config)
     running.append(server)

@@ -59,6 +59,7 @@ class ServerSettings:
     max_queue: int = 16
     request_timeout: float | None = None
     n_draft: int | str = AUTO
+    grace: float = 30.0  # seconds running requests get to finish after SIGTERM
 
 
 class RequestError(Exception):
@@ -467,7 +468,14 @@ class Server:
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             if job.stream:
                 admitted_here = False  # the stream releases it when it ends
-                return EventSourceResponse(self._stream(job, rid, chat, started), ping=15, sep="\n")
+                return EventSourceResponse(
+                    self._stream(job, rid, chat, started),
+                    ping=15,
+                    sep="\n",
+                    # On SIGTERM a running stream goes on to its end, within the grace period
+                    # (by default sse-starlette cuts it at once).
+                    shutdown_grace_period=self.settings.grace,
+                )
             result = await self.decoder.agenerate(job.prompt, **job.kwargs)
             waited = self._finish(rid, result, started)
             return JSONResponse(self._completion(rid, chat, result, waited))

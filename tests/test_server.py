@@ -320,7 +320,7 @@ def test_bounded_load_either_completes_or_is_refused(tiny_pair: models.ModelPair
 
 def test_sigterm_lets_a_running_request_finish(tiny_pair: models.ModelPair) -> None:
     server = start(tiny_pair.target, "-t", "1", "-c", "4096")
-    body = {"prompt": [1, 300, 270], "max_tokens": 2000, "temperature": 0, "stream": True}
+    body = {"prompt": [1, 300, 270], "max_tokens": 3500, "temperature": 0, "stream": True}
     events = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
@@ -330,7 +330,7 @@ def test_sigterm_lets_a_running_request_finish(tiny_pair: models.ModelPair) -> N
                 server.proc.send_signal(signal.SIGTERM)
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2].removeprefix("data: "))
-    assert last["timings"]["predicted_n"] == 2000  # drained: finished, not cut off
+    assert last["timings"]["predicted_n"] == 3500  # drained: finished, not cut off
     assert server.proc.wait(timeout=60) == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health", timeout=2)
