@@ -19,6 +19,7 @@ from specdec_native._core import (  # noqa: E402
     VocabMismatchError,
 )
 from specdec_native.decoder import (  # noqa: E402
+    ArgumentTypeError,
     EngineClosedError,
     GenerationResult,
     SpeculativeDecoder,
@@ -26,6 +27,7 @@ from specdec_native.decoder import (  # noqa: E402
 )
 
 __all__ = [
+    "ArgumentTypeError",
     "CancelFlag",
     "ContextOverflowError",
     "EngineClosedError",
