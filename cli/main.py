@@ -625,12 +625,22 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
 @gpu_layers_option("Target layers on the GPU (-1: all).", envvar="SPECDEC_N_GPU_LAYERS")
 @draft_gpu_layers_option(envvar="SPECDEC_N_GPU_LAYERS_DRAFT")
 @click.option(
+    "-np",
+    "--parallel",
+    "n_parallel",
+    default=4,
+    show_default=True,
+    type=int,
+    envvar="SPECDEC_PARALLEL",
+    help="Requests generating at once, batched into one decode per step (each holds -c tokens).",
+)
+@click.option(
     "--max-queue",
     default=16,
     show_default=True,
     type=int,
     envvar="SPECDEC_MAX_QUEUE",
-    help="Requests that may wait while one generates; more get 503 with Retry-After.",
+    help="Requests that may wait for a slot; more get 503 with Retry-After.",
 )
 @click.option(
     "--request-timeout",
@@ -667,6 +677,7 @@ def serve(
     n_threads: int | None,
     n_gpu_layers: int,
     draft_n_gpu_layers: int | None,
+    n_parallel: int,
     max_queue: int,
     request_timeout: float | None,
     grace: float,
@@ -675,6 +686,7 @@ def serve(
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair."""
     from specdec_native import SpeculativeDecoder, models
+    from specdec_native.decoder import MAX_PARALLEL
 
     try:
         import uvicorn
@@ -688,6 +700,8 @@ def serve(
     k = _draft_option_value(n_draft)
     if not 1 <= port <= 65535:
         raise click.ClickException(f"--port must be in [1, 65535], got {port}")
+    if not 1 <= n_parallel <= MAX_PARALLEL:
+        raise click.ClickException(f"--parallel must be in [1, {MAX_PARALLEL}], got {n_parallel}")
     if max_queue < 0:
         raise click.ClickException("--max-queue must be >= 0")
     if request_timeout is not None and not (math.isfinite(request_timeout) and request_timeout > 0):
@@ -706,6 +720,7 @@ def serve(
     settings = ServerSettings(
         model_alias=model_alias or target.name.removesuffix(".gguf"),
         api_key=api_key or None,
+        n_parallel=n_parallel,
         max_queue=max_queue,
         request_timeout=request_timeout,
         n_draft=k if has_drafter else 0,
@@ -722,6 +737,7 @@ def serve(
             n_threads=n_threads,
             n_gpu_layers=n_gpu_layers,
             draft_n_gpu_layers=draft_n_gpu_layers,
+            n_parallel=n_parallel,
         )
 
     for name, path in (("target", target), ("draft", draft_arg)):

@@ -42,6 +42,7 @@ py::dict stats_dict(const Stats& s) {
     d["fallback_reason"] = s.fallback_reason;
     d["draft_error"] = s.draft_error;
     d["n_look_backs"] = s.n_look_backs;
+    d["n_shared_steps"] = s.n_shared_steps;
     d["steps_at_k"] = s.steps_at_k;
     d["drafted_by_model"] = s.drafted_by[0];
     d["accepted_by_model"] = s.accepted_by[0];
@@ -299,7 +300,8 @@ PYBIND11_MODULE(_core, m) {
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
                          int n_draft, int n_ctx, int n_batch, int n_threads, int n_gpu_layers,
                          int draft_n_gpu_layers, bool ngram, int ngram_min, int ngram_max,
-                         bool verbose, uintptr_t target_model, uintptr_t draft_model) {
+                         bool verbose, uintptr_t target_model, uintptr_t draft_model,
+                         int n_parallel) {
                  EngineConfig c;
                  c.target = model_params(target, n_gpu_layers, n_ctx, n_batch, n_threads);
                  c.target.borrowed = reinterpret_cast<llama_model*>(target_model);
@@ -312,6 +314,7 @@ PYBIND11_MODULE(_core, m) {
                  c.ngram_min = ngram_min;
                  c.ngram_max = ngram_max;
                  c.verbose = verbose;
+                 c.n_parallel = n_parallel;
                  py::gil_scoped_release release;
                  return std::make_unique<Engine>(c);
              }),
@@ -319,7 +322,8 @@ PYBIND11_MODULE(_core, m) {
              py::arg("n_ctx") = 4096, py::arg("n_batch") = 512, py::arg("n_threads") = 0,
              py::arg("n_gpu_layers") = 0, py::arg("draft_n_gpu_layers") = 0,
              py::arg("ngram") = false, py::arg("ngram_min") = 1, py::arg("ngram_max") = 4,
-             py::arg("verbose") = false, py::arg("target_model") = 0, py::arg("draft_model") = 0)
+             py::arg("verbose") = false, py::arg("target_model") = 0, py::arg("draft_model") = 0,
+             py::arg("n_parallel") = 1)
         .def(
             "generate",
             [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
@@ -357,7 +361,8 @@ PYBIND11_MODULE(_core, m) {
             py::arg("context"))
         .def("policy_state",
              [](const Engine& e) {
-                 const AdaptivePolicy& p = e.policy();
+                 const AdaptivePolicy p = e.policy();
+                 const BatchCosts batch = e.batch_costs();
                  py::dict d;
                  d["calibrated"] = p.calibrated();
                  d["calibration_seconds"] = p.calibration_seconds();
@@ -368,6 +373,8 @@ PYBIND11_MODULE(_core, m) {
                          : std::vector<double>{};
                  d["verify_costs"] = p.verify_costs();
                  d["draft_costs"] = p.draft_costs();
+                 d["batch_verify_costs"] = batch.verify_points();
+                 d["batch_draft_costs"] = batch.draft_points();
                  return d;
              })
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
@@ -429,10 +436,11 @@ PYBIND11_MODULE(_core, m) {
              })
         .def_property_readonly("n_draft", &Engine::n_draft)
         .def_property_readonly("has_draft", [](const Engine& e) { return e.draft() != nullptr; })
-        .def_property_readonly("has_drafter", &Engine::has_drafter)
+        .def_property_readonly("n_parallel", &Engine::n_parallel)
         .def_property_readonly("running_on_this_thread", &Engine::running_on_this_thread)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 
+    m.attr("PREFILL_CHUNK") = Engine::kPrefillChunk;
     m.def("set_log_verbose", &install_log_handler, py::arg("verbose"),
           "Routes llama.cpp's log through specdec: printed when verbose, else kept for errors.");
     m.def("system_info", []() { return std::string(llama_print_system_info()); });

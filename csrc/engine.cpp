@@ -6,26 +6,23 @@
 
 #include "errors.h"
 #include "logging.h"
-#include "model_drafter.h"
-#include "ngram_drafter.h"
-#include "text_stream.h"
 
 namespace specdec {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // Calibration: at least, at most this many sweeps over the batch sizes; more are taken while
 // one more still moves an estimate by over kCostsSettled, within the time budget.
 constexpr size_t kMinCostSweeps = 3, kMaxCostSweeps = 6;
 constexpr double kCostsSettled = 0.05;
 constexpr double kCalibrationBudgetSeconds = 5.0;
+// How often a waiting caller looks at its own cancel flag and deadline.
+constexpr auto kPollInterval = std::chrono::milliseconds(10);
+// How long the scheduler thread waits for work before it ends (a new request starts another).
+constexpr auto kSchedulerLinger = std::chrono::milliseconds(100);
 
 double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
 }
-
-using Deadline = std::optional<Clock::time_point>;
 
 Deadline deadline_after(Clock::time_point start, double seconds) {
     if (seconds <= 0) return std::nullopt;
@@ -41,344 +38,43 @@ void check_supported(const Model& m) {
             "rejected draft tokens, so it cannot be used for speculative decoding");
 }
 
-}  // namespace
+// The engine whose callback this thread is running, if any.
+thread_local const Engine* t_in_callback_of = nullptr;
 
-// Holds the engine for one call, with that call's stop conditions. A second call from the
-// thread already inside one (a callback calling back in) would wait for itself forever, so it
-// is refused at once. While it waits, a cancel throws Cancelled and the deadline TimedOut.
-class Engine::Hold {
+class CallbackScope {
   public:
-    explicit Hold(Engine& e, std::shared_ptr<CancelFlag> cancel = nullptr, Deadline deadline = {})
-        : e_(e) {
-        if (e.running_on_this_thread())
-            throw ReentrantCallError(
-                "the engine is already running on this thread: a callback cannot call generate, "
-                "calibrate or measure_decode_cost on the decoder that is calling it");
-        while (!e.busy_.try_lock_for(std::chrono::milliseconds(10))) {
-            if (e.closing_.load() || (cancel && cancel->requested.load()))
-                throw Cancelled("cancelled while waiting");
-            if (deadline && Clock::now() >= *deadline)
-                throw TimedOut("timed out waiting for the engine");
-        }
-        if (e.closing_.load()) {
-            e.busy_.unlock();
-            throw Cancelled("the engine is shutting down");
-        }
-        e.owner_.store(std::this_thread::get_id());
-        e.request_cancel_ = std::move(cancel);
-        e.deadline_ = deadline;
-    }
-    ~Hold() {
-        e_.request_cancel_.reset();
-        e_.deadline_.reset();
-        e_.owner_.store(std::thread::id());
-        e_.busy_.unlock();
-    }
-    Hold(const Hold&) = delete;
-    Hold& operator=(const Hold&) = delete;
+    explicit CallbackScope(const Engine* e) : previous_(t_in_callback_of) { t_in_callback_of = e; }
+    ~CallbackScope() { t_in_callback_of = previous_; }
+    CallbackScope(const CallbackScope&) = delete;
+    CallbackScope& operator=(const CallbackScope&) = delete;
 
   private:
-    Engine& e_;
+    const Engine* previous_;
 };
 
-// The state of one generate() call. The step reads top to bottom like the algorithm.
-class Generation {
-  public:
-    Generation(Engine& engine, const GenerateRequest& request, const TextCallback& on_text,
-               Clock::time_point called)
-        : e_(engine),
-          called_(called),
-          req_(request),
-          on_text_(on_text),
-          rng_(request.seed),
-          text_(request.stop),
-          n_draft_(request.n_draft >= 0 ? request.n_draft : engine.config_.n_draft) {
-        if (!e_.drafter_) n_draft_ = 0;
-        adaptive_ = request.adaptive && e_.drafter_ != nullptr;
-        if (adaptive_ && request.max_tokens < Engine::kMinTokensToSpeculate) {
-            adaptive_ = false;
-            n_draft_ = 0;
-            stats().fallback_reason = "short request";
-        }
+// Ends a request that never reached a slot.
+void end_unstarted(RequestChannel& channel, const char* reason) {
+    {
+        std::lock_guard<std::mutex> lock(channel.mutex);
+        channel.result.finish_reason = reason;
+        channel.result.stats.n_prompt = static_cast<int>(channel.request.prompt.size());
+        channel.result.stats.t_queue = seconds_since(channel.called);
+        channel.done = true;
     }
+    channel.changed.notify_all();
+}
 
-    GenerationResult run() {
-        stats().t_queue = seconds_since(called_);
-        stats().n_prompt = static_cast<int>(req_.prompt.size());
-        try {
-            // Calibration is a one-time cost of the engine, not of this generation.
-            if (adaptive_ && !e_.policy_.calibrated()) e_.calibrate_locked(req_.prompt);
-            if (adaptive_) e_.policy_.begin_generation(looks_back(), !req_.sampling.greedy());
-        } catch (const Cancelled&) {
-            result_.finish_reason = "cancelled";
-            return std::move(result_);
-        } catch (const TimedOut&) {
-            result_.finish_reason = "timeout";
-            return std::move(result_);
-        }
-        const auto start = Clock::now();
-        try {
-            prefill();
-            while (result_.finish_reason.empty()) step();
-        } catch (const Cancelled&) {
-            result_.finish_reason = "cancelled";
-        } catch (const TimedOut&) {
-            result_.finish_reason = "timeout";
-        }
-        emit(text_.flush());
-        result_.stats.n_generated = static_cast<int>(result_.tokens.size());
-        result_.stats.t_total = seconds_since(start);
-        return std::move(result_);
-    }
+}  // namespace
 
-  private:
-    Stats& stats() { return result_.stats; }
-    Model& target() const { return *e_.target_; }
-
-    void prefill() {
-        const auto start = Clock::now();
-        seq_ = req_.prompt;
-        // The target's cache holds all committed tokens but the last, which each step decodes
-        // together with the draft. What it already holds of them (the previous request's
-        // prefix: a chat's earlier turns) is kept.
-        const size_t cached = target().keep_common_prefix(seq_, seq_.size() - 1);
-        stats().n_prompt_cached = static_cast<int>(cached);
-        e_.decode_sequence(target(), e_.target_batch_, seq_, cached, seq_.size() - 1, false, 0);
-        if (e_.drafter_) e_.drafter_->begin(seq_);
-        unseen_from_ = seq_.size();
-        stats().t_prompt = seconds_since(start);
-    }
-
-    // The most tokens this step may draft: bounded by the context, by one decode's batch (the
-    // verify pass holds the draft and the last token) and by what may still be emitted.
-    int draft_cap() const {
-        if (drafting_dropped_) return 0;
-        const int room_in_context = target().n_ctx() - static_cast<int>(seq_.size());
-        const int room_in_batch = target().n_batch() - 1;
-        const int still_wanted = req_.max_tokens - static_cast<int>(result_.tokens.size()) - 1;
-        int cap = std::min({Engine::kMaxDraft, room_in_context, room_in_batch, still_wanted});
-        if (e_.draft_) cap = std::min(cap, e_.draft_->n_ctx() - static_cast<int>(seq_.size()) + 1);
-        return std::max(cap, 0);
-    }
-
-    int draft_length() {
-        const int cap = draft_cap();
-        if (!adaptive_) return std::min(n_draft_, cap);
-        std::string why;
-        int k = e_.policy_.choose(cap, &why);
-        if (k == AdaptivePolicy::kLookBack) {
-            look_back();
-            k = e_.policy_.choose(cap, &why);
-        }
-        if (k == 0 && cap > 0) {
-            ++stats().n_fallback_steps;
-            if (!why.empty()) stats().fallback_reason = why;
-        }
-        return k;
-    }
-
-    void step() {
-        if (static_cast<int>(seq_.size()) > target().n_ctx()) {
-            result_.finish_reason = "context";
-            return;
-        }
-        const int k = draft_length();
-        const double t_draft = stats().t_draft;
-        const double t_verify = stats().t_verify;
-        draft(k);
-        verify();
-        const int n_accepted = accept_and_commit();
-        // A look back scores the tokens committed since the draft last drafted.
-        if (!draft_.tokens.empty()) unseen_from_ = seq_.size();
-        if (adaptive_) {
-            StepOutcome outcome{static_cast<int>(draft_.tokens.size()),
-                                n_accepted,
-                                stats().t_draft - t_draft,
-                                stats().t_verify - t_verify,
-                                draft_.caught_up,
-                                draft_.t_catch_up};
-            if (!req_.sampling.greedy()) outcome.accept_chance = &accept_chances_;
-            e_.policy_.observe(outcome);
-        }
-        // Positions at or past the first rejected draft hold keys/values of tokens that were
-        // not committed.
-        target().forget_from(static_cast<llama_pos>(base_ + n_accepted));
-    }
-
-    // Decodes with the target alone for the rest of this request.
-    void drop_drafting(const std::string& why) {
-        drafting_dropped_ = true;
-        stats().draft_error = why;
-    }
-
-    // Greedy requests only: a look back at sampled text (unbiased estimates of each token's
-    // chance of acceptance) made `auto` draft more where drafting loses (docs/adaptive.md).
-    bool looks_back() const { return e_.drafter_->can_look_back() && req_.sampling.greedy(); }
-
-    // Asks the drafter, for each token committed since it last drafted, whether it would have
-    // drafted that token there (greedy: the draft's argmax), and tells the policy.
-    void look_back() {
-        const auto start = Clock::now();
-        hindsight_.clear();
-        const int n_vocab = e_.draft_->n_vocab();
-        e_.drafter_->look_back(seq_, unseen_from_, [&](size_t t, const float* logits) {
-            const bool hit = all_finite(logits, n_vocab) && argmax(logits, n_vocab) == seq_[t];
-            hindsight_.push_back(hit ? 1.0 : 0.0);
-        });
-        e_.policy_.observe_hindsight(hindsight_);
-        unseen_from_ = seq_.size();
-        ++stats().n_look_backs;
-        stats().t_draft += seconds_since(start);
-    }
-
-    void draft(int k) {
-        draft_.tokens.clear();
-        draft_.q.clear();
-        draft_.caught_up = 0;
-        draft_.t_catch_up = 0.0;
-        if (k == 0) {
-            stats().count_proposal(0);
-            return;
-        }
-        const auto start = Clock::now();
-        e_.drafter_->propose(seq_, k, req_.draft_p_min, req_.sampling, rng_, draft_);
-        if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
-        stats().count_proposal(static_cast<int>(draft_.tokens.size()));
-        stats().drafted_by[static_cast<int>(draft_.source)] +=
-            static_cast<int>(draft_.tokens.size());
-        stats().t_draft += seconds_since(start);
-    }
-
-    // One target decode of [last, d1..dK], logits on every row.
-    void verify() {
-        const auto start = Clock::now();
-        base_ = seq_.size();  // position of the first draft token
-        Batch& batch = e_.target_batch_;
-        batch.clear();
-        batch.add(seq_.back(), static_cast<llama_pos>(base_ - 1), true);
-        for (size_t i = 0; i < draft_.tokens.size(); ++i)
-            batch.add(draft_.tokens[i], static_cast<llama_pos>(base_ + i), true);
-        e_.decode(target(), batch);
-        ++stats().n_target_passes;
-        stats().t_verify += seconds_since(start);
-    }
-
-    // Row i of the last target decode scores the token after [.., last, d1..di]. Non-finite
-    // logits have no right answer to give, so they end the request with an error.
-    const float* target_logits(size_t row) {
-        const float* logits = llama_get_logits_ith(target().ctx(), static_cast<int32_t>(row));
-        if (!all_finite(logits, target().n_vocab()))
-            throw NonFiniteLogitsError(
-                "the target model " + target().path() +
-                " produced non-finite logits (NaN or Inf) for the token at position " +
-                std::to_string(base_ + row) + ": the model file or the backend is broken");
-        return logits;
-    }
-
-    const Distribution& target_distribution(size_t row) {
-        make_distribution(target_logits(row), target().n_vocab(), req_.sampling, workspace_, p_);
-        return p_;
-    }
-
-    // Walks the draft: accepted prefix, then one token from the target (the correction at the
-    // first rejection, or a bonus when all pass). Returns the number of draft tokens accepted.
-    int accept_and_commit() {
-        const auto start = Clock::now();
-        const size_t k = draft_.tokens.size();
-        step_tokens_.clear();
-        step_margins_.clear();
-        accept_chances_.clear();
-        size_t i = 0;
-        for (; i < k; ++i) {
-            const llama_token x = draft_.tokens[i];
-            const llama_token verdict =
-                req_.sampling.greedy() ? greedy_verdict(i) : sampled_verdict(i, x);
-            step_tokens_.push_back(verdict);
-            if (verdict != x) break;
-        }
-        if (i == k) step_tokens_.push_back(target_token(k));
-        stats().count_acceptance(static_cast<int>(i));
-        stats().accepted_by[static_cast<int>(draft_.source)] += static_cast<int>(i);
-        stats().t_verify += seconds_since(start);
-
-        int committed = 0;
-        for (size_t j = 0; j < step_tokens_.size(); ++j)
-            committed += commit(step_tokens_[j], step_margins_.empty() ? 0.0f : step_margins_[j]);
-        stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
-        return static_cast<int>(i);
-    }
-
-    // Greedy: the target's argmax at row i (the draft token when they agree).
-    llama_token greedy_verdict(size_t row) {
-        const Top2 t = top2(target_logits(row), target().n_vocab());
-        step_margins_.push_back(t.margin);
-        return t.best;
-    }
-
-    // Sampling: x when accepted (prob min(1, p/q)), else a draw from the residual.
-    llama_token sampled_verdict(size_t row, llama_token x) {
-        const Distribution& p = target_distribution(row);
-        const Distribution* q = draft_.q[row];
-        // Only the adaptive policy reads it, and it is a pass over q's support per position.
-        if (adaptive_) accept_chances_.push_back(q ? acceptance_chance(p, *q) : double(p[x]));
-        const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
-        if (ok) return x;
-        if (req_.wrong_residual_for_tests) return sample(p, rng_);
-        return q ? sample_residual(p, *q, rng_) : sample_residual_point(p, x, rng_);
-    }
-
-    // The token after an all-accepted draft (the bonus), or the only token of a K=0 step.
-    llama_token target_token(size_t row) {
-        if (req_.sampling.greedy()) return greedy_verdict(row);
-        return sample(target_distribution(row), rng_);
-    }
-
-    // Appends one token to the output unless generation already finished; returns 1 if it did.
-    int commit(llama_token token, float margin) {
-        if (!result_.finish_reason.empty()) return 0;
-        if (target().is_eog(token)) {
-            result_.finish_reason = "stop";
-            return 0;
-        }
-        if (result_.tokens.empty()) stats().t_first_token = seconds_since(called_);
-        seq_.push_back(token);
-        result_.tokens.push_back(token);
-        if (req_.sampling.greedy()) result_.margins.push_back(margin);
-        emit(text_.push(target().token_piece(token)));
-        if (text_.stopped()) {
-            result_.finish_reason = "stop";
-        } else if (static_cast<int>(result_.tokens.size()) >= req_.max_tokens) {
-            result_.finish_reason = "length";
-        }
-        return 1;
-    }
-
-    void emit(const std::string& text) {
-        if (text.empty()) return;
-        result_.text += text;
-        if (on_text_) on_text_(text);
-    }
-
-    Engine& e_;
-    const Clock::time_point called_;
-    const GenerateRequest& req_;
-    const TextCallback& on_text_;
-    Rng rng_;
-    TextStream text_;
-    int n_draft_;
-    bool adaptive_ = false;
-    bool drafting_dropped_ = false;
-    std::vector<llama_token> seq_;  // prompt + committed tokens
-    size_t base_ = 0;
-    Draft draft_;
-    std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
-    std::vector<float> step_margins_;
-    std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
-    size_t unseen_from_ = 0;              // seq_[unseen_from_..]: committed without a draft
-    std::vector<double> hindsight_;
-    Distribution p_;
-    SamplingWorkspace workspace_;
-    GenerationResult result_;
+// Work that needs both contexts to itself (measurements, calibration), run by the scheduler
+// between steps while no request generates.
+struct Engine::Job {
+    std::function<void()> work;
+    std::shared_ptr<CancelFlag> cancel;
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool started = false, done = false;
+    std::exception_ptr error;
 };
 
 Engine::Engine(const EngineConfig& config)
@@ -386,11 +82,16 @@ Engine::Engine(const EngineConfig& config)
     install_log_handler(config.verbose);
     if (config.n_draft < 0 || config.n_draft > kMaxDraft)
         throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
-    target_ = std::make_unique<Model>(config.target);
+    if (config.n_parallel < 1 || config.n_parallel > kMaxParallel)
+        throw std::invalid_argument("n_parallel must be in [1, " + std::to_string(kMaxParallel) +
+                                    "]");
+    config_.target.n_seq = config.n_parallel;
+    target_ = std::make_unique<Model>(config_.target);
     check_supported(*target_);
     llama_set_abort_callback(target_->ctx(), abort_requested, this);
     if (config.draft) {
-        draft_ = std::make_unique<Model>(*config.draft);
+        config_.draft->n_seq = config.n_parallel;
+        draft_ = std::make_unique<Model>(*config_.draft);
         check_supported(*draft_);
         const std::string why = vocab_mismatch(*target_, *draft_);
         if (!why.empty())
@@ -400,15 +101,464 @@ Engine::Engine(const EngineConfig& config)
         drafter_ = std::make_unique<ModelDrafter>(
             *draft_, kMaxDraft, [this](Model& m, const Batch& b) { decode(m, b); });
     }
-    if (config.ngram) {
-        auto ngram = std::make_unique<NgramDrafter>(config.ngram_min, config.ngram_max);
-        drafter_ = drafter_
-                       ? std::make_unique<FallbackDrafter>(std::move(ngram), std::move(drafter_))
-                       : std::unique_ptr<Drafter>(std::move(ngram));
+    if (config.ngram &&
+        (config.ngram_min < 1 || config.ngram_max < config.ngram_min || config.ngram_max > 16))
+        throw std::invalid_argument("need 1 <= ngram_min <= ngram_max <= 16");
+    slots_.resize(static_cast<size_t>(config.n_parallel));
+    last_used_.assign(static_cast<size_t>(config.n_parallel), 0);
+}
+
+Engine::~Engine() { stop_scheduler(); }
+
+void Engine::start_scheduler_locked() {
+    if (scheduler_running_) return;
+    if (scheduler_.joinable()) scheduler_.join();  // it has left its loop: only exiting remains
+    scheduler_running_ = true;
+    scheduler_ = std::thread([this] { schedule(); });
+}
+
+void Engine::stop_scheduler() {
+    {
+        std::lock_guard<std::mutex> lock(queue_mutex_);
+        closing_.store(true);
+    }
+    wake_.notify_all();
+    std::lock_guard<std::mutex> lock(join_mutex_);
+    if (scheduler_.joinable()) scheduler_.join();
+    stop_everything();
+}
+
+EngineParts Engine::parts() {
+    return EngineParts{*target_,          draft_.get(),      drafter_.get(),  config_.ngram,
+                       config_.ngram_min, config_.ngram_max, config_.n_draft, kMaxDraft};
+}
+
+bool Engine::running_on_this_thread() const {
+    return t_in_callback_of == this || std::this_thread::get_id() == scheduler_id_.load();
+}
+
+void Engine::check_not_in_callback(const char* what) const {
+    if (running_on_this_thread())
+        throw ReentrantCallError(std::string("the engine is already running on this thread: a "
+                                             "callback cannot ") +
+                                 what + " on the decoder that is calling it");
+}
+
+void Engine::check_tokens(const std::vector<llama_token>& tokens) const {
+    for (llama_token t : tokens)
+        if (t < 0 || t >= target_->n_vocab())
+            throw std::invalid_argument("token " + std::to_string(t) +
+                                        " is outside the vocabulary (0.." +
+                                        std::to_string(target_->n_vocab() - 1) + ")");
+}
+
+void Engine::check_request(const GenerateRequest& request) const {
+    validate(request.sampling);
+    if (request.prompt.empty()) throw std::invalid_argument("the prompt has no tokens");
+    if (request.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
+    if (request.n_draft > kMaxDraft)
+        throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
+    for (const auto& s : request.stop)
+        if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
+    check_tokens(request.prompt);
+    const int n_ctx = std::min(target_->n_ctx(), draft_ ? draft_->n_ctx() : target_->n_ctx());
+    if (static_cast<int>(request.prompt.size()) >= n_ctx)
+        throw ContextOverflowError("the prompt has " + std::to_string(request.prompt.size()) +
+                                   " tokens but the context holds " + std::to_string(n_ctx) +
+                                   "; raise n_ctx or shorten the prompt");
+}
+
+// ---------------------------------------------------------------- callers' side
+
+GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text) {
+    check_not_in_callback("call generate, calibrate or measure_decode_cost");
+    check_request(request);
+    const auto called = Clock::now();
+    auto channel =
+        std::make_shared<RequestChannel>(request, called, deadline_after(called, request.timeout));
+    {
+        std::lock_guard<std::mutex> lock(queue_mutex_);
+        if (closing_.load()) {
+            end_unstarted(*channel, "cancelled");
+            return std::move(channel->result);
+        }
+        waiting_.push_back(channel);
+        start_scheduler_locked();
+    }
+    wake_.notify_all();
+    return serve_caller(*channel, on_text);
+}
+
+GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallback& on_text) {
+    std::exception_ptr callback_error;
+    std::unique_lock<std::mutex> lock(channel.mutex);
+    while (true) {
+        channel.changed.wait_for(lock, kPollInterval,
+                                 [&] { return channel.done || !channel.text.empty(); });
+        if (!channel.text.empty()) {
+            std::string piece;
+            piece.swap(channel.text);
+            lock.unlock();
+            if (on_text && !callback_error) {
+                try {
+                    CallbackScope scope(this);
+                    on_text(piece);
+                } catch (...) {
+                    // The callback's exception is what the caller gets, once generation stops.
+                    callback_error = std::current_exception();
+                    channel.request.cancel->requested.store(true);
+                }
+            }
+            lock.lock();
+            continue;
+        }
+        if (channel.done) break;
+        const bool cancelled = channel.cancel_requested() || closing_.load();
+        if (!channel.admitted && (cancelled || channel.past_deadline())) {
+            lock.unlock();
+            if (withdraw(&channel)) end_unstarted(channel, cancelled ? "cancelled" : "timeout");
+            lock.lock();
+        }
+    }
+    lock.unlock();
+    if (callback_error) std::rethrow_exception(callback_error);
+    if (channel.error) std::rethrow_exception(channel.error);
+    return std::move(channel.result);
+}
+
+bool Engine::withdraw(const RequestChannel* channel) {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    const auto it = std::find_if(waiting_.begin(), waiting_.end(),
+                                 [&](const auto& c) { return c.get() == channel; });
+    if (it == waiting_.end()) return false;
+    waiting_.erase(it);
+    return true;
+}
+
+void Engine::run_exclusive(std::function<void()> work, std::shared_ptr<CancelFlag> cancel) {
+    auto job = std::make_shared<Job>();
+    job->work = std::move(work);
+    job->cancel = cancel ? std::move(cancel) : std::make_shared<CancelFlag>();
+    {
+        std::lock_guard<std::mutex> lock(queue_mutex_);
+        if (closing_.load()) throw Cancelled("the engine is shutting down");
+        jobs_.push_back(job);
+        start_scheduler_locked();
+    }
+    wake_.notify_all();
+    std::unique_lock<std::mutex> lock(job->mutex);
+    while (!job->changed.wait_for(lock, kPollInterval, [&] { return job->done; })) {
+        if (job->started || !(job->cancel->requested.load() || closing_.load())) continue;
+        lock.unlock();
+        bool withdrawn = false;
+        {
+            std::lock_guard<std::mutex> queue_lock(queue_mutex_);
+            const auto it = std::find(jobs_.begin(), jobs_.end(), job);
+            if (it != jobs_.end()) {
+                jobs_.erase(it);
+                withdrawn = true;
+            }
+        }
+        if (withdrawn) throw Cancelled("cancelled while waiting");
+        lock.lock();
+    }
+    if (job->error) std::rethrow_exception(job->error);
+}
+
+void Engine::shutdown() {
+    check_not_in_callback("close the decoder");
+    stop_scheduler();
+}
+
+AdaptivePolicy Engine::policy() const {
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    return policy_;
+}
+
+BatchCosts Engine::batch_costs() const {
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    return batch_costs_;
+}
+
+// ---------------------------------------------------------------- the scheduler
+
+void Engine::schedule() {
+    scheduler_id_.store(std::this_thread::get_id());
+    while (true) {
+        std::shared_ptr<Job> job;
+        {
+            std::unique_lock<std::mutex> lock(queue_mutex_);
+            const bool work = wake_.wait_for(lock, kSchedulerLinger, [&] {
+                return closing_.load() || !waiting_.empty() || !jobs_.empty() || any_active();
+            });
+            if (!work) {
+                // Idle: the thread ends, and llama.cpp's OpenMP team with it. Idle teams of
+                // other decoders in the process make an active one's barriers sleep instead of
+                // spin (libgomp throttles spinning once it manages more threads than cores):
+                // three idle decoders made a fourth 3x slower.
+                scheduler_running_ = false;
+                scheduler_id_.store(std::thread::id());
+                return;
+            }
+            if (closing_.load()) break;
+            if (!jobs_.empty() && !any_active()) {
+                job = jobs_.front();
+                jobs_.pop_front();
+                std::lock_guard<std::mutex> job_lock(job->mutex);
+                job->started = true;
+            }
+        }
+        if (job) {
+            job_cancel_.store(job->cancel.get());
+            try {
+                job->work();
+            } catch (...) {
+                job->error = std::current_exception();
+            }
+            job_cancel_.store(nullptr);
+            {
+                std::lock_guard<std::mutex> job_lock(job->mutex);
+                job->done = true;
+            }
+            job->changed.notify_all();
+            continue;
+        }
+        admit_waiting();
+        if (!any_active()) continue;
+        try {
+            step();
+        } catch (const Cancelled&) {
+            if (closing_.load()) break;
+            for (size_t s = 0; s < slots_.size(); ++s)
+                if (slots_[s]) retire(static_cast<int>(s), std::current_exception());
+        } catch (...) {
+            // A shared decode failed: every request in it fails with its error.
+            for (size_t s = 0; s < slots_.size(); ++s)
+                if (slots_[s]) retire(static_cast<int>(s), std::current_exception());
+        }
+    }
+    stop_everything();
+}
+
+void Engine::stop_everything() {
+    for (size_t s = 0; s < slots_.size(); ++s) {
+        if (!slots_[s]) continue;
+        slots_[s]->finish("cancelled");
+        retire(static_cast<int>(s));
+    }
+    std::deque<std::shared_ptr<RequestChannel>> waiting;
+    std::deque<std::shared_ptr<Job>> jobs;
+    {
+        std::lock_guard<std::mutex> lock(queue_mutex_);
+        waiting.swap(waiting_);
+        jobs.swap(jobs_);
+    }
+    for (auto& channel : waiting) end_unstarted(*channel, "cancelled");
+    for (auto& job : jobs) {
+        {
+            std::lock_guard<std::mutex> lock(job->mutex);
+            job->error = std::make_exception_ptr(Cancelled("the engine is shutting down"));
+            job->done = true;
+        }
+        job->changed.notify_all();
     }
 }
 
-Engine::~Engine() = default;
+bool Engine::any_active() const {
+    return std::any_of(slots_.begin(), slots_.end(), [](const auto& g) { return g != nullptr; });
+}
+
+bool Engine::needs_calibration(const GenerateRequest& request) const {
+    const bool can_draft = drafter_ != nullptr || config_.ngram;
+    if (!request.adaptive || !can_draft || request.max_tokens < Generation::kMinTokensToSpeculate)
+        return false;
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    return !policy_.calibrated();
+}
+
+int Engine::pick_slot(const std::vector<llama_token>& prompt) const {
+    int best = -1;
+    size_t best_common = 0;
+    for (size_t s = 0; s < slots_.size(); ++s) {
+        if (slots_[s]) continue;
+        const auto seq = static_cast<llama_seq_id>(s);
+        const size_t common = target_->common_prefix(seq, prompt);
+        // The longest shared prefix; among equals, the slot unused the longest.
+        if (best < 0 || common > best_common ||
+            (common == best_common && last_used_[s] < last_used_[static_cast<size_t>(best)])) {
+            best = static_cast<int>(s);
+            best_common = common;
+        }
+    }
+    return best;
+}
+
+void Engine::admit_waiting() {
+    while (true) {
+        std::shared_ptr<RequestChannel> channel;
+        int seq = -1;
+        {
+            std::lock_guard<std::mutex> lock(queue_mutex_);
+            // Exclusive work goes first once the running requests are done.
+            if (waiting_.empty() || !jobs_.empty()) return;
+            const auto& front = waiting_.front();
+            // Calibration needs the contexts to itself: the request waits for the others.
+            if (needs_calibration(front->request) && any_active()) return;
+            seq = pick_slot(front->request.prompt);
+            if (seq < 0) return;
+            channel = front;
+            waiting_.pop_front();
+            std::lock_guard<std::mutex> channel_lock(channel->mutex);
+            channel->admitted = true;
+        }
+        start(channel, seq);
+    }
+}
+
+void Engine::start(const std::shared_ptr<RequestChannel>& channel, int seq) {
+    const GenerateRequest& request = channel->request;
+    if (needs_calibration(request)) {
+        // Calibration is a one-time cost of the engine, under this request's stop conditions.
+        job_cancel_.store(request.cancel.get());
+        job_deadline_ = channel->deadline;
+        try {
+            calibrate_locked(request.prompt);
+        } catch (const Cancelled&) {
+            end_unstarted(*channel, "cancelled");
+        } catch (const TimedOut&) {
+            end_unstarted(*channel, "timeout");
+        } catch (...) {
+            {
+                std::lock_guard<std::mutex> lock(channel->mutex);
+                channel->error = std::current_exception();
+                channel->done = true;
+            }
+            channel->changed.notify_all();
+        }
+        job_cancel_.store(nullptr);
+        job_deadline_.reset();
+        std::lock_guard<std::mutex> lock(channel->mutex);
+        if (channel->done) return;
+    }
+    const auto s = static_cast<size_t>(seq);
+    slots_[s] = std::make_unique<Generation>(parts(), channel, seq, policy());
+    try {
+        slots_[s]->begin();
+    } catch (...) {
+        retire(seq, std::current_exception());
+    }
+}
+
+void Engine::retire(int seq, std::exception_ptr error) {
+    const auto s = static_cast<size_t>(seq);
+    std::unique_ptr<Generation> g = std::move(slots_[s]);
+    last_used_[s] = ++clock_;
+    if (error) {
+        // Its cache may hold rows that were never verified.
+        try {
+            target_->forget_from(seq, 0);
+            if (draft_) draft_->forget_from(seq, 0);
+        } catch (...) {
+            target_->clear_memory();
+            if (draft_) draft_->clear_memory();
+        }
+    } else if (g->adaptive()) {
+        // What it learnt (acceptance, costs) is where the next request starts from.
+        std::lock_guard<std::mutex> lock(policy_mutex_);
+        policy_ = g->policy();
+    }
+    g->publish(error);
+}
+
+void Engine::step() {
+    decoding_.clear();
+    prefilling_.clear();
+    for (size_t s = 0; s < slots_.size(); ++s) {
+        Generation* g = slots_[s].get();
+        if (!g) continue;
+        g->check_stop();
+        if (g->finished()) {
+            retire(static_cast<int>(s));
+            continue;
+        }
+        (g->prefilling() ? prefilling_ : decoding_).push_back(g);
+    }
+    if (decoding_.empty() && prefilling_.empty()) return;
+    const int n_batch = target_->n_batch();
+    // What a prompt may add to this step: a whole batch while nothing else generates.
+    int prefill_budget = decoding_.empty() ? n_batch : std::min(kPrefillChunk, n_batch / 2);
+
+    // How many tokens each sequence drafts: together their rows fill at most one decode.
+    const int row_cap = std::max(1, (n_batch - (prefilling_.empty() ? 0 : prefill_budget)) /
+                                        std::max<int>(1, static_cast<int>(decoding_.size())));
+    for (Generation* g : decoding_) g->choose_k(row_cap);
+    if (decoding_.size() > 1) plan_ks(decoding_, prefilling_.empty() ? 0 : prefill_budget);
+
+    // Drafts: n-gram matches first, then the draft model, for every sequence in one go.
+    draft_jobs_.clear();
+    std::vector<bool> by_model(decoding_.size(), false);
+    for (size_t i = 0; i < decoding_.size(); ++i) {
+        Generation* g = decoding_[i];
+        if (!g->draft_by_ngram() && g->k() > 0 && drafter_) {
+            draft_jobs_.push_back(g->model_job());
+            by_model[i] = true;
+        }
+    }
+    const auto draft_start = Clock::now();
+    if (!draft_jobs_.empty()) drafter_->propose(draft_jobs_);
+    const double t_draft = seconds_since(draft_start);
+    for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model[i] ? t_draft : 0);
+
+    // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
+    target_batch_.clear();
+    for (Generation* g : decoding_) g->add_verify_rows(target_batch_);
+    prefill_budget = std::min(prefill_budget, n_batch - target_batch_.size());
+    std::vector<Generation*> prefilled;
+    for (Generation* g : prefilling_) {
+        if (prefill_budget <= 0) break;
+        prefill_budget -= g->add_prefill(target_batch_, prefill_budget);
+        prefilled.push_back(g);
+    }
+    if (target_batch_.size() == 0) return;
+    const auto verify_start = Clock::now();
+    decode(*target_, target_batch_);
+    const double t_verify = seconds_since(verify_start);
+    for (Generation* g : prefilled) g->prefill_decoded(t_verify);
+
+    const bool shared = decoding_.size() + prefilled.size() > 1;
+    for (Generation* g : decoding_) {
+        try {
+            g->accept(t_verify, shared);
+        } catch (...) {
+            retire(g->seq(), std::current_exception());
+            continue;
+        }
+        if (g->finished()) retire(g->seq());
+    }
+}
+
+void Engine::plan_ks(const std::vector<Generation*>& decoding, int prefill_rows) {
+    const BatchCosts costs = batch_costs();
+    if (costs.empty()) return;
+    std::vector<std::vector<double>> expected;
+    std::vector<int> caps;
+    std::vector<Generation*> planned;
+    int other_rows = prefill_rows;
+    for (Generation* g : decoding) {
+        if (!g->adaptive()) {
+            other_rows += g->k() + 1;
+            continue;
+        }
+        planned.push_back(g);
+        caps.push_back(g->k());
+        expected.push_back(g->expected_tokens(g->k()));
+    }
+    if (planned.empty()) return;
+    const std::vector<int> ks = plan_batch(expected, caps, other_rows, costs);
+    for (size_t i = 0; i < planned.size(); ++i) planned[i]->limit_k(ks[i]);
+}
+
+// ---------------------------------------------------------------- decodes and measurements
 
 void Engine::decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
                              size_t from, size_t end, bool logits_on_last, size_t chunk) {
@@ -422,7 +572,8 @@ void Engine::decode_sequence(Model& model, Batch& batch, const std::vector<llama
 
 void Engine::decode(Model& model, const Batch& batch) {
     if (stop_requested()) throw Cancelled("generation cancelled");
-    if (deadline_ && Clock::now() >= *deadline_) throw TimedOut("the request's deadline passed");
+    if (job_deadline_ && Clock::now() >= *job_deadline_)
+        throw TimedOut("the request's deadline passed");
     const int32_t rc = llama_decode(model.ctx(), batch.get());
     if (rc == 0) {
         model.note_decoded(batch.get());
@@ -433,27 +584,13 @@ void Engine::decode(Model& model, const Batch& batch) {
     if (rc == 1)
         throw ContextOverflowError("no room in the KV cache of " + model.path() +
                                    " for a batch of " + std::to_string(batch.size()) + " tokens");
-    if (rc != 0) throw std::runtime_error("llama_decode failed with code " + std::to_string(rc));
-}
-
-void Engine::shutdown() {
-    if (running_on_this_thread())
-        throw ReentrantCallError("a callback cannot close the decoder that is calling it");
-    closing_.store(true);
-    std::lock_guard<std::timed_mutex> wait_for_the_running_call(busy_);
-}
-
-void Engine::check_tokens(const std::vector<llama_token>& tokens) const {
-    for (llama_token t : tokens)
-        if (t < 0 || t >= target_->n_vocab())
-            throw std::invalid_argument("token " + std::to_string(t) +
-                                        " is outside the vocabulary (0.." +
-                                        std::to_string(target_->n_vocab() - 1) + ")");
+    throw std::runtime_error("llama_decode failed with code " + std::to_string(rc));
 }
 
 std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& context, int max_n,
                                                 int repeats, bool on_draft,
                                                 std::shared_ptr<CancelFlag> cancel) {
+    check_not_in_callback("call generate, calibrate or measure_decode_cost");
     Model* model = on_draft ? draft_.get() : target_.get();
     if (!model) throw std::invalid_argument("there is no draft model");
     if (context.empty() || max_n < 1 || repeats < 1)
@@ -464,8 +601,10 @@ std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& 
         throw std::invalid_argument("the context and max_n must each fit n_batch (" +
                                     std::to_string(model->n_batch()) + ")");
     check_tokens(context);
-    Hold hold(*this, std::move(cancel));
-    return measure_decode_cost_locked(context, max_n, repeats, *model);
+    std::vector<double> costs;
+    run_exclusive([&] { costs = measure_decode_cost_locked(context, max_n, repeats, *model); },
+                  std::move(cancel));
+    return costs;
 }
 
 std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_token>& context,
@@ -494,7 +633,7 @@ double Engine::time_decode_locked(Model& model, Batch& batch,
     const auto start = Clock::now();
     decode(model, batch);
     const double seconds = seconds_since(start);
-    model.forget_from(pos);
+    model.forget_from(0, pos);
     return seconds;
 }
 
@@ -511,16 +650,18 @@ CostSweep Engine::cost_sweep_locked(const std::vector<llama_token>& context, int
 
 void Engine::calibrate(const std::vector<llama_token>& context,
                        std::shared_ptr<CancelFlag> cancel) {
-    if (!drafter_) throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
+    check_not_in_callback("call generate, calibrate or measure_decode_cost");
+    if (!drafter_ && !config_.ngram)
+        throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
     if (context.empty()) throw std::invalid_argument("the context has no tokens");
     check_tokens(context);
-    Hold hold(*this, std::move(cancel));
-    calibrate_locked(context);
+    run_exclusive([&] { calibrate_locked(context); }, std::move(cancel));
 }
 
 void Engine::set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs) {
-    if (!drafter_) throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
-    Hold hold(*this);
+    if (!drafter_ && !config_.ngram)
+        throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
+    std::lock_guard<std::mutex> lock(policy_mutex_);
     policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
 }
 
@@ -536,7 +677,8 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
         {AdaptivePolicy::Config{}.max_k + 1, n_ctx - static_cast<int>(ctx.size()), n_batch});
     if (max_n < 2) return;  // no room to speculate; the policy stays uncalibrated
     const auto start = Clock::now();
-    Batch batch(std::max(static_cast<int>(ctx.size()), max_n));
+    Batch batch(std::max(
+        {static_cast<int>(ctx.size()), max_n, std::min(config_.n_parallel * max_n, n_batch)}));
     for (Model* model : {target_.get(), draft_.get()}) {
         if (!model) continue;  // an n-gram draft costs a few hash lookups: nothing next to a decode
         model->clear_memory();
@@ -552,51 +694,67 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
             seconds_since(start) < kCalibrationBudgetSeconds))
         sweeps.push_back(cost_sweep_locked(ctx, max_n, batch));
     CostCurve curve = estimate_costs(sweeps);
-    policy_.calibrate(std::move(curve.verify), std::move(curve.draft), seconds_since(start));
+    BatchCosts batch_costs;
+    if (config_.n_parallel > 1) batch_costs = measure_batch_costs(ctx, curve, batch);
+    AdaptivePolicy policy = this->policy();
+    policy.calibrate(std::move(curve.verify), std::move(curve.draft), seconds_since(start));
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    policy_ = std::move(policy);
+    batch_costs_ = std::move(batch_costs);
 }
 
-GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text) {
-    validate(request.sampling);
-    if (request.prompt.empty()) throw std::invalid_argument("the prompt has no tokens");
-    if (request.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
-    if (request.n_draft > kMaxDraft)
-        throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
-    for (const auto& s : request.stop)
-        if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
-    check_tokens(request.prompt);
-    const int n_ctx = std::min(target_->n_ctx(), draft_ ? draft_->n_ctx() : target_->n_ctx());
-    if (static_cast<int>(request.prompt.size()) >= n_ctx)
-        throw ContextOverflowError("the prompt has " + std::to_string(request.prompt.size()) +
-                                   " tokens but the context holds " + std::to_string(n_ctx) +
-                                   "; raise n_ctx or shorten the prompt");
-
-    const auto called = Clock::now();
-    std::optional<Hold> hold;
-    try {
-        hold.emplace(*this, request.cancel, deadline_after(called, request.timeout));
-    } catch (const std::runtime_error& e) {
-        const bool timed_out = dynamic_cast<const TimedOut*>(&e) != nullptr;
-        if (!timed_out && !dynamic_cast<const Cancelled*>(&e)) throw;
-        GenerationResult result;
-        result.finish_reason = timed_out ? "timeout" : "cancelled";
-        result.stats.n_prompt = static_cast<int>(request.prompt.size());
-        result.stats.t_queue = seconds_since(called);
-        return result;
+BatchCosts Engine::measure_batch_costs(const std::vector<llama_token>& context,
+                                       const CostCurve& curve, Batch& batch) {
+    // Past one sequence's largest step, at doubling sizes up to every slot drafting max_k (and
+    // the draft up to two rows per slot), the fastest of a few decodes each.
+    constexpr int kRepeats = 3;
+    const int room = target_->n_ctx() - static_cast<int>(context.size());
+    const auto fastest = [&](Model& model, int n) {
+        double best = 0.0;
+        for (int r = 0; r < kRepeats; ++r) {
+            const double t = time_decode_locked(model, batch, context, n);
+            best = r == 0 ? t : std::min(best, t);
+        }
+        return best;
+    };
+    std::vector<std::pair<int, double>> verify, draft;
+    for (size_t n = 1; n <= curve.verify.size(); ++n)
+        verify.emplace_back(static_cast<int>(n), curve.verify[n - 1]);
+    const int most_rows = std::min({config_.n_parallel * static_cast<int>(curve.verify.size()),
+                                    target_->n_batch(), batch.capacity(), room});
+    for (int n = 2 * verify.back().first; verify.back().first < most_rows; n *= 2)
+        verify.emplace_back(std::min(n, most_rows), fastest(*target_, std::min(n, most_rows)));
+    if (draft_) {
+        for (size_t n = 1; n <= curve.draft.size(); ++n)
+            draft.emplace_back(static_cast<int>(n), curve.draft[n - 1]);
+        const int most_draft_rows =
+            std::min({2 * config_.n_parallel, draft_->n_batch(), batch.capacity(),
+                      draft_->n_ctx() - static_cast<int>(context.size())});
+        for (int n = 2 * draft.back().first; draft.back().first < most_draft_rows; n *= 2)
+            draft.emplace_back(std::min(n, most_draft_rows),
+                               fastest(*draft_, std::min(n, most_draft_rows)));
     }
-    return Generation(*this, request, on_text, called).run();
+    return BatchCosts(std::move(verify), std::move(draft));
 }
 
 std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& context, bool batched,
                                              std::shared_ptr<CancelFlag> cancel) {
+    check_not_in_callback("call generate, calibrate or measure_decode_cost");
     if (context.empty()) throw std::invalid_argument("the context has no tokens");
     if (static_cast<int>(context.size()) > target_->n_ctx())
         throw ContextOverflowError("the context is longer than n_ctx");
     check_tokens(context);
-    Hold hold(*this, std::move(cancel));
-    target_->clear_memory();
-    decode_sequence(*target_, target_batch_, context, 0, context.size(), true, batched ? 0 : 1);
-    const float* logits = llama_get_logits_ith(target_->ctx(), -1);
-    return std::vector<float>(logits, logits + target_->n_vocab());
+    std::vector<float> out;
+    run_exclusive(
+        [&] {
+            target_->clear_memory();
+            decode_sequence(*target_, target_batch_, context, 0, context.size(), true,
+                            batched ? 0 : 1);
+            const float* logits = llama_get_logits_ith(target_->ctx(), -1);
+            out.assign(logits, logits + target_->n_vocab());
+        },
+        std::move(cancel));
+    return out;
 }
 
 }  // namespace specdec

@@ -1,9 +1,12 @@
-// The speculative loop: prompt -> [draft -> verify -> accept -> roll back]* -> stop.
+// The serving engine: requests from any thread share slots (sequences) of one target and one
+// draft context, and a scheduler thread runs one batched step for all of them at a time:
+// prompt chunks -> [draft -> verify -> accept -> roll back]* -> stop, per slot.
 #pragma once
 
 #include <atomic>
-#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -14,11 +17,10 @@
 
 #include "batch.h"
 #include "cost_curve.h"
-#include "drafter.h"
+#include "generation.h"
 #include "model.h"
+#include "model_drafter.h"
 #include "policy.h"
-#include "sampling.h"
-#include "stats.h"
 
 namespace specdec {
 
@@ -29,53 +31,30 @@ struct EngineConfig {
     bool ngram = false;  // draft from n-gram matches in the context (before the draft model)
     int ngram_min = 1;
     int ngram_max = 4;
+    int n_parallel = 1;  // requests generating at once, each in its own slot
     bool verbose = false;
 };
 
-// Set from any thread to stop one request ("cancelled"), whether it runs or still waits.
-struct CancelFlag {
-    std::atomic<bool> requested{false};
-};
-
-struct GenerateRequest {
-    std::vector<llama_token> prompt;
-    int max_tokens = 128;
-    SamplingParams sampling;
-    uint64_t seed = 0;
-    std::vector<std::string> stop;
-    int n_draft = -1;          // -1: the engine's default
-    bool adaptive = false;     // choose K each step from measured costs (n_draft is then ignored)
-    float draft_p_min = 0.0f;  // stop drafting when the draft's probability falls below this
-    double timeout = 0.0;      // seconds from the call after which it ends ("timeout"); 0: never
-    std::shared_ptr<CancelFlag> cancel;  // may be null
-    // Test-only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
-    // wrong rule, so the distribution tests can show that they catch it.
-    bool wrong_residual_for_tests = false;
-};
-
-struct GenerationResult {
-    std::vector<llama_token> tokens;
-    std::string text;
-    std::string finish_reason;  // "stop", "length", "context", "cancelled", "timeout"
-    // Greedy only: for each token, the target's top-1 minus top-2 logit where it was chosen.
-    std::vector<float> margins;
-    Stats stats;
-};
-
-// Receives text as it is committed, in order. May throw to stop generation.
+// Receives text as it is committed, in order, on the calling thread. May throw to stop
+// generation.
 using TextCallback = std::function<void(const std::string&)>;
 
 class Engine {
   public:
     static constexpr int kMaxDraft = 64;
-    // Requests shorter than this are not worth drafting for in adaptive mode.
-    static constexpr int kMinTokensToSpeculate = 4;
+    static constexpr int kMaxParallel = 64;
+    // While other slots generate, a prompt is read this many tokens per step, so that their
+    // streams go on (each chunk rides in their step's target decode).
+    static constexpr int kPrefillChunk = 128;
 
     explicit Engine(const EngineConfig& config);
     ~Engine();
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
 
-    // One call at a time: a second caller waits for the first to finish. A call from the
-    // thread the engine is already running on (a callback) throws ReentrantCallError.
+    // From any thread: up to n_parallel calls generate together, later ones wait for a slot.
+    // `on_text` runs on the calling thread. A call from inside a callback of this engine throws
+    // ReentrantCallError.
     GenerationResult generate(const GenerateRequest& request, const TextCallback& on_text);
     // The target's logits for the token after `context`, read afresh (the cache is cleared):
     // in n_batch chunks, or one token per decode as target-only generation reads it.
@@ -92,57 +71,108 @@ class Engine {
     // Uses costs measured earlier (t_verify(n) for n = 1..; a draft decode of 1 and of 2
     // tokens) instead of measuring them now.
     void set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs);
-    const AdaptivePolicy& policy() const { return policy_; }
-    // Stops the running call, refuses every later one, and returns once none runs: after it the
-    // engine can be destroyed. Throws ReentrantCallError from inside a call (a callback).
+    // The policy as the last adaptive request left it (a copy: requests run on).
+    AdaptivePolicy policy() const;
+    BatchCosts batch_costs() const;
+    // Stops every request (they end "cancelled"), refuses every later one, and returns once the
+    // scheduler has stopped: after it the engine can be destroyed. Throws ReentrantCallError
+    // from a callback.
     void shutdown();
-    // Whether the calling thread is inside one of this engine's calls (a callback is).
-    bool running_on_this_thread() const { return owner_.load() == std::this_thread::get_id(); }
+    // Whether the calling thread is inside a callback of this engine.
+    bool running_on_this_thread() const;
 
     const Model& target() const { return *target_; }
     const Model* draft() const { return draft_.get(); }
     int n_draft() const { return config_.n_draft; }
-    bool has_drafter() const { return drafter_ != nullptr; }
+    int n_parallel() const { return config_.n_parallel; }
 
   private:
-    friend class Generation;
-    class Hold;
-    // Whether the running call must stop: shutdown(), or its own request's flag.
+    struct Job;
+    // Whether the decode running must stop: shutdown(), or the exclusive job's own flag.
     bool stop_requested() const {
-        return closing_.load() || (request_cancel_ && request_cancel_->requested.load());
+        const CancelFlag* job = job_cancel_.load();
+        return closing_.load() || (job && job->requested.load());
     }
-    // Throws std::invalid_argument for a token outside the vocabulary.
-    void check_tokens(const std::vector<llama_token>& tokens) const;
     // llama.cpp's abort callback: lets a long decode stop part-way.
     static bool abort_requested(void* engine) {
         return static_cast<const Engine*>(engine)->stop_requested();
     }
+    void check_not_in_callback(const char* what) const;
+    // Throws std::invalid_argument for a token outside the vocabulary.
+    void check_tokens(const std::vector<llama_token>& tokens) const;
+    void check_request(const GenerateRequest& request) const;
+    // Hands committed text to `on_text` until the request is done; returns its result.
+    GenerationResult serve_caller(RequestChannel& channel, const TextCallback& on_text);
+    // Removes a request that still waits for a slot; false when the scheduler has taken it.
+    bool withdraw(const RequestChannel* channel);
+    // Runs `work` on the scheduler thread while no request generates, and waits for it.
+    void run_exclusive(std::function<void()> work, std::shared_ptr<CancelFlag> cancel);
+
+    // The scheduler thread: started for work, ending when idle.
+    void schedule();
+    void start_scheduler_locked();  // queue_mutex_ held
+    void stop_scheduler();
+    bool any_active() const;
+    // Moves waiting requests into free slots (the one whose cache shares the longest prefix
+    // with the prompt).
+    void admit_waiting();
+    int pick_slot(const std::vector<llama_token>& prompt) const;
+    void start(const std::shared_ptr<RequestChannel>& channel, int seq);
+    bool needs_calibration(const GenerateRequest& request) const;
+    // One step of every slot: prompt chunks, drafts, one target decode, acceptance.
+    void step();
+    // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
+    void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
+    void retire(int seq, std::exception_ptr error = nullptr);
+    void stop_everything();
+    EngineParts parts();
+
+    void decode(Model& model, const Batch& batch);
+    // Decodes tokens[from, end) of sequence 0 at positions from.. (the cache holds
+    // tokens[0, from)), at most `chunk` tokens per decode (0: as many as the model's n_batch).
+    void decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
+                         size_t from, size_t end, bool logits_on_last, size_t chunk);
     std::vector<double> measure_decode_cost_locked(const std::vector<llama_token>& context,
                                                    int max_n, int repeats, Model& model);
     void calibrate_locked(const std::vector<llama_token>& context);
+    // The costs of batches larger than one sequence's steps, for plan_ks.
+    BatchCosts measure_batch_costs(const std::vector<llama_token>& context, const CostCurve& curve,
+                                   Batch& batch);
     // Seconds for one decode of n tokens after `context`, which `model` holds; forgotten after.
     double time_decode_locked(Model& model, Batch& batch, const std::vector<llama_token>& context,
                               int n);
     // Target decodes of 1..max_n tokens, each of 1 and 2 followed by the draft's of that size.
     CostSweep cost_sweep_locked(const std::vector<llama_token>& context, int max_n, Batch& batch);
-    void decode(Model& model, const Batch& batch);
-    // Decodes tokens[from, end) at positions from.. (the cache holds tokens[0, from)), at most
-    // `chunk` tokens per decode (0: as many as the model's n_batch).
-    void decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
-                         size_t from, size_t end, bool logits_on_last, size_t chunk);
 
     EngineConfig config_;
     std::unique_ptr<Model> target_;
     std::unique_ptr<Model> draft_;
-    std::unique_ptr<Drafter> drafter_;
+    std::unique_ptr<ModelDrafter> drafter_;
     Batch target_batch_;
-    std::timed_mutex busy_;
-    std::atomic<std::thread::id> owner_{};  // the thread holding busy_
-    std::atomic<bool> closing_{false};
-    // The running request's own stop conditions, read by every decode.
-    std::shared_ptr<CancelFlag> request_cancel_;
-    std::optional<std::chrono::steady_clock::time_point> deadline_;
+
+    mutable std::mutex policy_mutex_;  // policy_ and batch_costs_, read from any thread
     AdaptivePolicy policy_;
+    BatchCosts batch_costs_;
+
+    std::mutex queue_mutex_;  // waiting_, jobs_
+    std::condition_variable wake_;
+    std::deque<std::shared_ptr<RequestChannel>> waiting_;
+    std::deque<std::shared_ptr<Job>> jobs_;
+    std::atomic<bool> closing_{false};
+    std::atomic<CancelFlag*> job_cancel_{nullptr};  // the exclusive job's, while it runs
+    Deadline job_deadline_;
+
+    // Scheduler thread only.
+    std::vector<std::unique_ptr<Generation>> slots_;  // [seq]; null when free
+    std::vector<uint64_t> last_used_;                 // [seq]: when its request ended
+    uint64_t clock_ = 0;
+    std::vector<Generation*> decoding_, prefilling_;
+    std::vector<ModelDrafter::Job> draft_jobs_;
+
+    bool scheduler_running_ = false;  // queue_mutex_
+    std::mutex join_mutex_;
+    std::thread scheduler_;
+    std::atomic<std::thread::id> scheduler_id_{};
 };
 
 }  // namespace specdec

@@ -61,21 +61,30 @@ std::shared_ptr<llama_model> weights(const ModelParams& params) {
 }
 
 Model::Model(const ModelParams& params)
-    : model_(weights(params)), path_(params.path), n_ctx_(params.n_ctx) {
+    : model_(weights(params)),
+      path_(params.path),
+      n_ctx_(params.n_ctx),
+      held_(static_cast<size_t>(std::max(params.n_seq, 1))) {
     clear_recent_errors();
     vocab_ = llama_model_get_vocab(model_.get());
 
     llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx = static_cast<uint32_t>(params.n_ctx);
+    const auto n_seq = static_cast<uint32_t>(held_.size());
+    cparams.n_ctx = static_cast<uint32_t>(params.n_ctx) * n_seq;
     cparams.n_batch = static_cast<uint32_t>(params.n_batch);
     cparams.n_ubatch = static_cast<uint32_t>(params.n_batch);
-    cparams.n_seq_max = 1;
+    cparams.n_seq_max = n_seq;
+    // One cache for all sequences: llama.cpp splits a batch over separate per-sequence caches
+    // into equal-sized pieces per sequence, and a step's rows are uneven (each sequence drafts
+    // its own K), so separate caches would cost a decode per piece.
+    cparams.kv_unified = n_seq > 1;
     const int threads = params.n_threads > 0 ? params.n_threads : default_threads();
     cparams.n_threads = threads;
     cparams.n_threads_batch = threads;
     cparams.no_perf = true;
     ctx_.reset(llama_init_from_model(model_.get(), cparams));
     if (!ctx_) throw ModelLoadError(with_reason("failed to create a context for " + params.path));
+    n_ctx_ = std::min(n_ctx_, static_cast<int>(llama_n_ctx(ctx_.get()) / n_seq));
 }
 
 std::vector<llama_token> Model::tokenize(const std::string& text, bool add_special,
@@ -166,24 +175,33 @@ std::string Model::apply_chat_template(
 
 void Model::note_decoded(const llama_batch& batch) {
     for (int32_t i = 0; i < batch.n_tokens; ++i) {
+        auto& held = held_.at(static_cast<size_t>(batch.seq_id[i][0]));
         const auto pos = static_cast<size_t>(batch.pos[i]);
-        if (pos > held_.size()) throw std::logic_error("a decode left a gap in the cache");
-        held_.resize(pos);
-        held_.push_back(batch.token[i]);
+        if (pos > held.size()) throw std::logic_error("a decode left a gap in the cache");
+        held.resize(pos);
+        held.push_back(batch.token[i]);
     }
 }
 
-size_t Model::keep_common_prefix(const std::vector<llama_token>& tokens, size_t limit) {
-    limit = std::min({held_.size(), limit, tokens.size()});
+size_t Model::common_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens) const {
+    const auto& held = held_[static_cast<size_t>(seq)];
+    const size_t limit = std::min(held.size(), tokens.size());
     size_t common = 0;
-    while (common < limit && held_[common] == tokens[common]) ++common;
-    if (common < held_.size()) forget_from(static_cast<llama_pos>(common));
+    while (common < limit && held[common] == tokens[common]) ++common;
     return common;
 }
 
-void Model::forget_from(llama_pos pos) {
-    if (static_cast<size_t>(pos) < held_.size()) held_.resize(static_cast<size_t>(pos));
-    if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), 0, pos, -1)) {
+size_t Model::keep_common_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens,
+                                 size_t limit) {
+    const size_t common = std::min(common_prefix(seq, tokens), limit);
+    if (common < held(seq).size()) forget_from(seq, static_cast<llama_pos>(common));
+    return common;
+}
+
+void Model::forget_from(llama_seq_id seq, llama_pos pos) {
+    auto& held = held_[static_cast<size_t>(seq)];
+    if (static_cast<size_t>(pos) < held.size()) held.resize(static_cast<size_t>(pos));
+    if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), seq, pos, -1)) {
         throw UnsupportedModelError(
             "cannot roll back the cache of " + path_ +
             ": its memory cannot remove part of a sequence (recurrent or hybrid architecture); "
@@ -192,7 +210,7 @@ void Model::forget_from(llama_pos pos) {
 }
 
 void Model::clear_memory() {
-    held_.clear();
+    for (auto& held : held_) held.clear();
     llama_memory_clear(llama_get_memory(ctx_.get()), true);
 }
 

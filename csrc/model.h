@@ -18,6 +18,8 @@ struct ModelParams {
     int n_ctx = 4096;
     int n_batch = 512;
     int n_threads = 0;  // 0: all cores
+    // Sequences the context holds at once (one per slot), each with room for n_ctx tokens.
+    int n_seq = 1;
     // Weights loaded by someone else (llama-cpp-python's Llama), used as they are and never
     // freed here; the owner keeps them alive. Null: load `path`.
     llama_model* borrowed = nullptr;
@@ -42,9 +44,10 @@ class Model {
     const std::string& path() const { return path_; }
 
     int n_vocab() const { return llama_vocab_n_tokens(vocab_); }
-    // The context asked for: llama.cpp rounds its cache up (to 256 cells), but a request is
-    // bounded by what the user set.
-    int n_ctx() const { return std::min(n_ctx_, static_cast<int>(llama_n_ctx(ctx_.get()))); }
+    // The context of one sequence, as asked for: llama.cpp rounds its cache up (to 256 cells),
+    // but a request is bounded by what the user set.
+    int n_ctx() const { return n_ctx_; }
+    int n_seq() const { return static_cast<int>(held_.size()); }
     // The most tokens one llama_decode takes (llama.cpp caps the asked n_batch at n_ctx).
     int n_batch() const { return static_cast<int>(llama_n_batch(ctx_.get())); }
 
@@ -59,17 +62,23 @@ class Model {
         const std::vector<std::pair<std::string, std::string>>& messages,
         bool add_generation_prompt) const;
 
-    // The tokens whose keys/values the cache holds, by position.
-    const std::vector<llama_token>& held() const { return held_; }
-    // Records a successful decode of `batch`, whose tokens follow what the cache held.
+    // The tokens whose keys/values the cache holds for sequence `seq`, by position.
+    const std::vector<llama_token>& held(llama_seq_id seq) const {
+        return held_[static_cast<size_t>(seq)];
+    }
+    // Records a successful decode of `batch`, whose tokens follow what the cache held for each
+    // row's sequence.
     void note_decoded(const llama_batch& batch);
-    // Forgets every cached position >= pos. Throws UnsupportedModelError when the model's memory
-    // cannot drop a partial sequence (recurrent and hybrid models).
-    void forget_from(llama_pos pos);
-    // Forgets what the cache holds past its common prefix with tokens[0..limit); returns the
-    // prefix's length.
-    size_t keep_common_prefix(const std::vector<llama_token>& tokens, size_t limit);
-    void clear_memory();
+    // Forgets every cached position >= pos of `seq`. Throws UnsupportedModelError when the
+    // model's memory cannot drop a partial sequence (recurrent and hybrid models).
+    void forget_from(llama_seq_id seq, llama_pos pos);
+    // Forgets what the cache holds for `seq` past its common prefix with tokens[0..limit);
+    // returns the prefix's length.
+    size_t keep_common_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens,
+                              size_t limit);
+    // Length of the common prefix of `seq`'s cache and `tokens`.
+    size_t common_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens) const;
+    void clear_memory();  // every sequence
 
   private:
     std::shared_ptr<llama_model> model_;
@@ -77,7 +86,7 @@ class Model {
     const llama_vocab* vocab_ = nullptr;
     std::string path_;
     int n_ctx_;
-    std::vector<llama_token> held_;
+    std::vector<std::vector<llama_token>> held_;  // [seq]
 };
 
 // Why target and draft cannot be paired, or "" when they can.

@@ -9,37 +9,39 @@ ModelDrafter::ModelDrafter(Model& model, int max_draft, DecodeFn decode)
     : model_(model),
       batch_(model.n_batch()),
       decode_(std::move(decode)),
-      q_(static_cast<size_t>(std::max(max_draft, 1))) {}
+      max_draft_(std::max(max_draft, 1)),
+      q_(static_cast<size_t>(model.n_seq())) {}
 
-void ModelDrafter::begin(const std::vector<llama_token>& /*prompt*/) {
-    // The prompt is decoded by the first propose(): a generation that never drafts (the
-    // adaptive policy may decide so) never pays for it. What the cache already holds of it
-    // (the previous request's prefix) is kept: catch_up() decodes only the rest.
-}
-
-void ModelDrafter::decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
-                                size_t logits_from,
+void ModelDrafter::decode_range(llama_seq_id seq, const std::vector<llama_token>& tokens,
+                                size_t from, size_t to, size_t logits_from,
                                 const std::function<void(const Batch&)>& on_decoded) {
-    const auto first_pos = static_cast<llama_pos>(model_.held().size());
-    decode_in_chunks(batch_, tokens, from, to, first_pos, logits_from, 0, [&](const Batch& b) {
-        decode_(model_, b);
-        if (on_decoded) on_decoded(b);
-    });
+    const auto first_pos = static_cast<llama_pos>(model_.held(seq).size());
+    decode_in_chunks(
+        batch_, tokens, from, to, first_pos, logits_from, 0,
+        [&](const Batch& b) {
+            decode_(model_, b);
+            if (on_decoded) on_decoded(b);
+        },
+        seq);
 }
 
-int ModelDrafter::catch_up(const std::vector<llama_token>& committed) {
-    const size_t common = model_.keep_common_prefix(committed, committed.size() - 1);
-    decode_range(committed, common, committed.size(), committed.size() - 1);
-    return static_cast<int>(committed.size() - common);
+size_t ModelDrafter::prefill(llama_seq_id seq, const std::vector<llama_token>& committed,
+                             size_t budget) {
+    if (committed.size() < 2) return 0;
+    const size_t end = committed.size() - 1;
+    const size_t common = model_.keep_common_prefix(seq, committed, end);
+    const size_t stop = std::min(end, common + budget);
+    if (stop > common) decode_range(seq, committed, common, stop, stop);
+    return stop - common;
 }
 
-void ModelDrafter::look_back(const std::vector<llama_token>& committed, size_t first,
-                             const HindsightFn& score) {
+void ModelDrafter::look_back(llama_seq_id seq, const std::vector<llama_token>& committed,
+                             size_t first, const HindsightFn& score) {
     if (committed.size() < 2) return;
     const size_t end = committed.size() - 1;
-    const size_t common = model_.keep_common_prefix(committed, end);
+    const size_t common = model_.keep_common_prefix(seq, committed, end);
     // Row t - 1 holds the logits for token t; positions are indices into `committed`.
-    decode_range(committed, common, end, std::max<size_t>(first, 1) - 1, [&](const Batch& b) {
+    decode_range(seq, committed, common, end, std::max<size_t>(first, 1) - 1, [&](const Batch& b) {
         const llama_batch& raw = b.get();
         for (int32_t row = 0; row < raw.n_tokens; ++row)
             if (raw.logits[row])
@@ -48,45 +50,91 @@ void ModelDrafter::look_back(const std::vector<llama_token>& committed, size_t f
     });
 }
 
-void ModelDrafter::propose(const std::vector<llama_token>& committed, int k, float p_min,
-                           const SamplingParams& sampling, Rng& rng, Draft& out) {
-    out.tokens.clear();
-    out.q.clear();
-    out.source = DraftSource::kModel;
-    out.non_finite = false;
-    if (static_cast<size_t>(k) > q_.size()) q_.resize(static_cast<size_t>(k));
-    const auto start = std::chrono::steady_clock::now();
-    out.caught_up = catch_up(committed);
-    out.t_catch_up =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+void ModelDrafter::catch_up_all(std::vector<Job>& jobs) {
+    rows_.assign(jobs.size(), -1);
+    // Each sequence's share of the shared decode. A longer catch-up (after steps without
+    // drafting) decodes its head alone first, so the shared decode fits one batch.
+    const size_t share = std::max<size_t>(1, static_cast<size_t>(batch_.capacity()) / jobs.size());
+    for (Job& job : jobs) {
+        const auto& committed = *job.committed;
+        const size_t common = model_.keep_common_prefix(job.seq, committed, committed.size() - 1);
+        job.out->caught_up = static_cast<int>(committed.size() - common);
+        if (committed.size() - common > share)
+            decode_range(job.seq, committed, common, committed.size() - share, committed.size());
+    }
+    batch_.clear();
+    for (size_t j = 0; j < jobs.size(); ++j) {
+        const auto& committed = *jobs[j].committed;
+        for (size_t t = model_.held(jobs[j].seq).size(); t < committed.size(); ++t)
+            batch_.add(committed[t], static_cast<llama_pos>(t), t + 1 == committed.size(),
+                       jobs[j].seq);
+        rows_[j] = batch_.size() - 1;
+    }
+    decode_(model_, batch_);
+}
+
+bool ModelDrafter::draft_next(Job& job, int row) {
+    Draft& out = *job.out;
     const int n_vocab = model_.n_vocab();
-    for (int i = 0; i < k; ++i) {
-        const float* logits = llama_get_logits_ith(model_.ctx(), -1);
-        if (!all_finite(logits, n_vocab)) {
-            out.non_finite = true;
-            break;
+    const float* logits = llama_get_logits_ith(model_.ctx(), row);
+    if (!all_finite(logits, n_vocab)) {
+        out.non_finite = true;
+        return false;
+    }
+    const size_t i = out.tokens.size();
+    llama_token token;
+    float confidence;
+    const Distribution* q = nullptr;
+    if (job.sampling->greedy()) {
+        token = argmax(logits, n_vocab);
+        confidence = job.p_min > 0.0f ? max_probability(logits, n_vocab, token) : 1.0f;
+    } else {
+        auto& qs = q_[static_cast<size_t>(job.seq)];
+        if (qs.size() <= i) qs.resize(std::max(i + 1, static_cast<size_t>(max_draft_)));
+        Distribution& dist = qs[i];
+        make_distribution(logits, n_vocab, *job.sampling, workspace_, dist);
+        token = sample(dist, *job.rng);
+        confidence = dist[token];
+        q = &dist;
+    }
+    if (i > 0 && confidence < job.p_min) return false;
+    out.tokens.push_back(token);
+    out.q.push_back(q);
+    return true;
+}
+
+void ModelDrafter::propose(std::vector<Job>& jobs) {
+    if (jobs.empty()) return;
+    for (Job& job : jobs) {
+        Draft& out = *job.out;
+        out.tokens.clear();
+        out.q.clear();
+        out.source = DraftSource::kModel;
+        out.non_finite = false;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    catch_up_all(jobs);
+    const double t_catch_up =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (Job& job : jobs) job.out->t_catch_up = t_catch_up;
+    // Each round picks one token per sequence still drafting and decodes them together. The
+    // last draft token is never decoded here: the target verifies it, and if it is accepted the
+    // next catch-up decodes it together with the target's token.
+    while (true) {
+        batch_.clear();
+        for (size_t j = 0; j < jobs.size(); ++j) {
+            if (rows_[j] < 0) continue;
+            Job& job = jobs[j];
+            const bool more =
+                draft_next(job, rows_[j]) && static_cast<int>(job.out->tokens.size()) < job.k;
+            rows_[j] = -1;
+            if (!more) continue;
+            const auto pos = static_cast<llama_pos>(model_.held(job.seq).size());
+            batch_.add(job.out->tokens.back(), pos, true, job.seq);
+            rows_[j] = batch_.size() - 1;
         }
-        llama_token token;
-        float confidence;
-        const Distribution* q = nullptr;
-        if (sampling.greedy()) {
-            token = argmax(logits, n_vocab);
-            confidence = p_min > 0.0f ? max_probability(logits, n_vocab, token) : 1.0f;
-        } else {
-            Distribution& dist = q_[static_cast<size_t>(i)];
-            make_distribution(logits, n_vocab, sampling, workspace_, dist);
-            token = sample(dist, rng);
-            confidence = dist[token];
-            q = &dist;
-        }
-        if (i > 0 && confidence < p_min) break;
-        out.tokens.push_back(token);
-        out.q.push_back(q);
-        // The last draft token is never decoded here: the target verifies it, and if it is
-        // accepted the next catch_up() decodes it together with the target's token.
-        if (i + 1 < k)
-            decode_range(out.tokens, static_cast<size_t>(i), static_cast<size_t>(i) + 1,
-                         static_cast<size_t>(i));
+        if (batch_.size() == 0) return;
+        decode_(model_, batch_);
     }
 }
 

@@ -1,4 +1,5 @@
-// A drafter backed by a small model with its own context and KV cache.
+// A drafter backed by a small model with its own context: one context for every sequence, and
+// the drafts of all sequences in a step decoded together.
 #pragma once
 
 #include <functional>
@@ -10,36 +11,56 @@
 
 namespace specdec {
 
-class ModelDrafter : public Drafter {
+class ModelDrafter {
   public:
     // `decode` runs llama_decode on the draft context and throws on failure or cancellation.
     using DecodeFn = std::function<void(Model&, const Batch&)>;
     ModelDrafter(Model& model, int max_draft, DecodeFn decode);
 
-    void begin(const std::vector<llama_token>& prompt) override;
-    void propose(const std::vector<llama_token>& committed, int k, float p_min,
-                 const SamplingParams& sampling, Rng& rng, Draft& out) override;
-    bool can_look_back() const override { return true; }
+    // One sequence's share of a batched draft.
+    struct Job {
+        llama_seq_id seq = 0;
+        const std::vector<llama_token>* committed = nullptr;  // prompt + generated so far
+        int k = 0;                                            // at most this many tokens
+        float p_min = 0.0f;  // stop once the draft's own probability falls below this
+        const SamplingParams* sampling = nullptr;
+        Rng* rng = nullptr;
+        Draft* out = nullptr;
+    };
+
+    // Drafts for every job at once (one job per sequence). Sampled from q when sampling, q's
+    // argmax when greedy; a job stops early (after at least one token) when the draft's
+    // probability of its next token is below p_min. One decode catches every sequence up with
+    // its committed text, then one decode per draft position holds a token of each sequence
+    // still drafting. Catching up with, or rolling back to, the committed text is done here:
+    // the jobs give the whole sequence each time.
+    void propose(std::vector<Job>& jobs);
+    // Decodes up to `budget` tokens of what the cache of `seq` lacks of committed[0..n-1) (a
+    // prompt, ahead of the first draft); returns how many it decoded.
+    size_t prefill(llama_seq_id seq, const std::vector<llama_token>& committed, size_t budget);
     // Decodes all but the last committed token (the next draft decodes it, for its logits),
-    // with logits on the rows that score committed[first..].
-    void look_back(const std::vector<llama_token>& committed, size_t first,
-                   const HindsightFn& score) override;
+    // with logits on the rows that score committed[first..]: `score` gets each one.
+    void look_back(llama_seq_id seq, const std::vector<llama_token>& committed, size_t first,
+                   const HindsightFn& score);
 
   private:
-    // Makes the cache hold exactly committed[0..n-1) and decodes the rest, logits on the last.
-    // Returns how many tokens it decoded.
-    int catch_up(const std::vector<llama_token>& committed);
-    // Appends tokens[from..to) to the cache, logits on tokens[logits_from..]; `on_decoded` runs
-    // after each decode, while its logits can still be read.
-    void decode_range(const std::vector<llama_token>& tokens, size_t from, size_t to,
-                      size_t logits_from,
+    // Appends tokens[from..to) to the cache of `seq`, logits on tokens[logits_from..];
+    // `on_decoded` runs after each decode, while its logits can still be read.
+    void decode_range(llama_seq_id seq, const std::vector<llama_token>& tokens, size_t from,
+                      size_t to, size_t logits_from,
                       const std::function<void(const Batch&)>& on_decoded = nullptr);
+    // The first decode of a batched draft: each job's missing tokens, logits on its last.
+    void catch_up_all(std::vector<Job>& jobs);
+    // Picks the job's next draft token from the logits at `row`; false when it stops there.
+    bool draft_next(Job& job, int row);
 
     Model& model_;
     Batch batch_;
     DecodeFn decode_;
-    std::vector<Distribution> q_;
+    int max_draft_;
+    std::vector<std::vector<Distribution>> q_;  // [seq][draft position]
     SamplingWorkspace workspace_;
+    std::vector<int> rows_;  // per job: its logits row in the last decode, -1 once it stopped
 };
 
 }  // namespace specdec

@@ -24,11 +24,6 @@ NgramDrafter::NgramDrafter(int ngram_min, int ngram_max)
     by_length_.resize(static_cast<size_t>(ngram_max - ngram_min + 1));
 }
 
-void NgramDrafter::begin(const std::vector<llama_token>& /*prompt*/) {
-    for (auto& m : by_length_) m.clear();
-    indexed_ = 0;
-}
-
 void NgramDrafter::index_up_to(const std::vector<llama_token>& tokens, size_t end) {
     // Position p continues the n-gram tokens[p-n, p); later positions overwrite earlier ones,
     // so a lookup finds the most recent occurrence.
@@ -54,8 +49,7 @@ long NgramDrafter::find_continuation(const std::vector<llama_token>& tokens, int
     return static_cast<long>(p);
 }
 
-void NgramDrafter::propose(const std::vector<llama_token>& committed, int k, float /*p_min*/,
-                           const SamplingParams& /*sampling*/, Rng& /*rng*/, Draft& out) {
+void NgramDrafter::propose(const std::vector<llama_token>& committed, int k, Draft& out) {
     out.tokens.clear();
     out.q.clear();
     out.source = DraftSource::kNgram;

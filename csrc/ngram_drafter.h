@@ -11,14 +11,13 @@
 
 namespace specdec {
 
-class NgramDrafter : public Drafter {
+class NgramDrafter {
   public:
     NgramDrafter(int ngram_min, int ngram_max);
 
-    void begin(const std::vector<llama_token>& prompt) override;
-    // Proposes point-mass drafts (q = 1 on each token); none when there is no match.
-    void propose(const std::vector<llama_token>& committed, int k, float p_min,
-                 const SamplingParams& sampling, Rng& rng, Draft& out) override;
+    // Proposes up to k point-mass drafts (q = 1 on each token) to follow `committed` (prompt +
+    // generated so far, only ever growing); none when there is no match.
+    void propose(const std::vector<llama_token>& committed, int k, Draft& out);
 
   private:
     // Adds every n-gram that ends before the last token, so each maps to a known continuation.

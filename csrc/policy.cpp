@@ -202,6 +202,17 @@ std::vector<double> AdaptivePolicy::expected_rates(int cap) const {
     return rates;
 }
 
+std::vector<double> AdaptivePolicy::expected_tokens(int cap) const {
+    const std::vector<double> a = acceptance();
+    std::vector<double> tokens{1.0};
+    double all_accepted = 1.0;
+    for (int k = 1; k <= cap && k <= static_cast<int>(a.size()); ++k) {
+        all_accepted *= a[static_cast<size_t>(k - 1)];
+        tokens.push_back(tokens.back() + all_accepted);
+    }
+    return tokens;
+}
+
 int AdaptivePolicy::choose(int cap, std::string* why) {
     cap = std::min({cap, config_.max_k, static_cast<int>(verify_cost_.size()) - 1});
     if (cap <= 0) return 0;
@@ -374,12 +385,93 @@ void AdaptivePolicy::observe(const StepOutcome& step) {
     }
     if (!calibrated()) return;
     decide_on_probe(step);
+    if (step.shared) return;
     if (step.caught_up == 1 || step.caught_up == 2)
         track_cost(draft_cost_[static_cast<size_t>(step.caught_up - 1)], step.t_catch_up);
     // After catching up, each draft token but the last is decoded on its own.
     if (k >= 2) track_cost(draft_cost_[0], (step.t_draft - step.t_catch_up) / (k - 1));
     if (static_cast<size_t>(k) < verify_cost_.size())
         track_cost(verify_cost_[static_cast<size_t>(k)], step.t_verify);
+}
+
+BatchCosts::BatchCosts(std::vector<std::pair<int, double>> verify,
+                       std::vector<std::pair<int, double>> draft)
+    : verify_(std::move(verify)), draft_(std::move(draft)) {
+    for (const auto* points : {&verify_, &draft_})
+        for (size_t i = 0; i < points->size(); ++i)
+            if ((*points)[i].first < 1 || (i > 0 && (*points)[i].first <= (*points)[i - 1].first) ||
+                !std::isfinite((*points)[i].second) || (*points)[i].second < 0.0)
+                throw std::invalid_argument(
+                    "batch costs need rows increasing from 1 and finite seconds >= 0");
+    if (verify_.empty()) throw std::invalid_argument("batch costs need the target's");
+}
+
+double BatchCosts::at(const std::vector<std::pair<int, double>>& points, int rows) {
+    if (points.empty() || rows <= 0) return 0.0;
+    if (rows <= points.front().first) return points.front().second * rows / points.front().first;
+    for (size_t i = 1; i < points.size(); ++i) {
+        const auto [n1, t1] = points[i];
+        if (rows > n1) continue;
+        const auto [n0, t0] = points[i - 1];
+        return t0 + (t1 - t0) * (rows - n0) / (n1 - n0);
+    }
+    // Past the largest batch measured, each row costs what the last stretch's rows did.
+    const auto [n1, t1] = points.back();
+    if (points.size() == 1) return t1 * rows / n1;
+    const auto [n0, t0] = points[points.size() - 2];
+    return t1 + (t1 - t0) * (rows - n1) / (n1 - n0);
+}
+
+double BatchCosts::step(const std::vector<int>& k, int other_rows) const {
+    int rows = other_rows, deepest = 0;
+    for (int ki : k) {
+        rows += ki + 1;
+        deepest = std::max(deepest, ki);
+    }
+    double seconds = verify(rows);
+    // Draft position r: a row for each sequence drafting more than r tokens.
+    for (int r = 0; r < deepest; ++r) {
+        int drafting = 0;
+        for (int ki : k) drafting += ki > r ? 1 : 0;
+        seconds += draft(drafting);
+    }
+    return seconds;
+}
+
+std::vector<int> plan_batch(const std::vector<std::vector<double>>& expected,
+                            const std::vector<int>& caps, int other_rows, const BatchCosts& costs) {
+    const size_t n = expected.size();
+    std::vector<int> k(n, 0);
+    auto rate = [&](const std::vector<int>& ks) {
+        double tokens = 0.0;
+        for (size_t i = 0; i < n; ++i) tokens += expected[i][static_cast<size_t>(ks[i])];
+        const double seconds = costs.step(ks, other_rows);
+        return seconds > 0.0 ? tokens / seconds : 0.0;
+    };
+    // Ascent from no drafting: each round takes the one change of one sequence's K that raises
+    // the batch's rate most. A jump of several tokens is tried too: the first draft position
+    // pays for a draft decode the later ones share.
+    double best = rate(k);
+    while (true) {
+        size_t best_i = n;
+        int best_k = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const int cap = std::min(caps[i], static_cast<int>(expected[i].size()) - 1);
+            const int was = k[i];
+            for (int ki = was + 1; ki <= cap; ++ki) {
+                k[i] = ki;
+                const double r = rate(k);
+                if (r > best * (1.0 + 1e-9)) {
+                    best = r;
+                    best_i = i;
+                    best_k = ki;
+                }
+            }
+            k[i] = was;
+        }
+        if (best_i == n) return k;
+        k[best_i] = best_k;
+    }
 }
 
 }  // namespace specdec

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace specdec {
@@ -18,7 +19,41 @@ struct StepOutcome {
     // chance it had of being accepted. Null: learn from the outcomes (greedy, where the chance is
     // the outcome).
     const std::vector<double>* accept_chance = nullptr;
+    // The target's decode held other sequences' rows too: its time is not the cost of k + 1
+    // rows, and the draft's decodes were shared likewise, so only the acceptance is learnt.
+    bool shared = false;
 };
+
+// What one step of a batch of sequences costs on this machine: the target's decode of all their
+// rows, and one draft decode per draft position holding a row of each sequence still drafting.
+// Measured at a few batch sizes; between them, linear.
+class BatchCosts {
+  public:
+    // (rows, seconds) pairs, rows increasing from 1.
+    BatchCosts(std::vector<std::pair<int, double>> verify,
+               std::vector<std::pair<int, double>> draft);
+    BatchCosts() = default;
+    bool empty() const { return verify_.empty(); }
+    double verify(int rows) const { return at(verify_, rows); }
+    double draft(int rows) const { return at(draft_, rows); }
+    // Seconds for a step where sequence i drafts k[i] tokens, plus `other_rows` rows (prompt
+    // chunks, fixed-K sequences' drafts) in the target's decode.
+    double step(const std::vector<int>& k, int other_rows) const;
+    const std::vector<std::pair<int, double>>& verify_points() const { return verify_; }
+    const std::vector<std::pair<int, double>>& draft_points() const { return draft_; }
+
+  private:
+    static double at(const std::vector<std::pair<int, double>>& points, int rows);
+    std::vector<std::pair<int, double>> verify_, draft_;
+};
+
+// K for each sequence of a batch, k[i] <= caps[i], maximising the batch's expected committed
+// tokens per second, sum_i expected[i][k[i]] / costs.step(k, other_rows): where a larger batch
+// makes the target's decode dearer per row, K comes down, to 0 for all when speculating no
+// longer pays. expected[i][k] (k = 0..caps[i]) is sequence i's expected tokens from a step
+// drafting k.
+std::vector<int> plan_batch(const std::vector<std::vector<double>>& expected,
+                            const std::vector<int>& caps, int other_rows, const BatchCosts& costs);
 
 // Picks K to maximise expected committed tokens per second,
 //     E[tokens](K) / (t_draft(K) + t_verify(K + 1)),
@@ -105,6 +140,8 @@ class AdaptivePolicy {
 
     // Expected tokens per second for K = 0..cap (cap < the number of verify costs).
     std::vector<double> expected_rates(int cap) const;
+    // Expected committed tokens of a step drafting K = 0..cap tokens.
+    std::vector<double> expected_tokens(int cap) const;
     std::vector<double> acceptance() const;  // per draft position, as the policy estimates it
     // The running cost estimates: calibrated, then updated by each step that used them.
     const std::vector<double>& verify_costs() const { return verify_cost_; }

@@ -19,6 +19,7 @@ struct Stats {
     std::string fallback_reason;  // why, when any did ("short request", "low acceptance")
     std::string draft_error;      // why drafting was dropped for this request ("" if it was not)
     int n_look_backs = 0;         // times the draft caught up to score fallback text
+    int n_shared_steps = 0;       // steps whose target decode held other requests' rows too
     std::vector<int> steps_at_k;  // [k]: steps that drafted k tokens
     int drafted_by[2] = {0, 0};   // by DraftSource: model, n-gram
     int accepted_by[2] = {0, 0};

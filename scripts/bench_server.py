@@ -1,13 +1,16 @@
 """End-to-end speed of OpenAI-compatible servers: specdec's against llama.cpp's llama-server,
 on the same pair, on this machine, in one run.
 
-    .venv/bin/python scripts/bench_server.py [--rounds 2] [-n 64] [TARGET DRAFT]
+    .venv/bin/python scripts/bench_server.py [--rounds 2] [-n 64] [-c 1,2,4,8] [TARGET DRAFT]
 
 Each server is started on a loopback port, warmed up, and sent the same streamed completion
-requests at concurrency 1 and 4 (greedy, `max_tokens` each). A round runs every server and
-concurrency once, in a rotated order. Reported: aggregate generated tokens per second (all
-requests' tokens over the wall time of the batch), and the median time to first token.
-llama-server comes from scripts/build_llama_cpp_tools.sh.
+requests at each concurrency (greedy, `max_tokens` each; 2 x concurrency requests, concurrency
+at a time). A round runs every server and concurrency once, the servers in a rotated order.
+Servers: specdec with one slot per concurrent stream (batched), specdec with one slot (requests
+one at a time, the same engine), and llama-server with as many slots, each slot with the same
+context. Reported: aggregate generated tokens per second (all requests' tokens over the wall
+time of the batch), the median time to first token, and the median and slowest request
+latency. llama-server comes from scripts/build_llama_cpp_tools.sh.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], seconds: float = 600) ->
     raise SystemExit("server did not become ready")
 
 
-def one_request(url: str, prompt: str, n: int) -> tuple[float, int]:
-    """(seconds to the first text, tokens generated) of one streamed completion."""
+def one_request(url: str, prompt: str, n: int) -> tuple[float, int, float]:
+    """(seconds to the first text, tokens generated, seconds in all) of one streamed
+    completion."""
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
     start = time.monotonic()
     first = None
@@ -70,17 +74,23 @@ def one_request(url: str, prompt: str, n: int) -> tuple[float, int]:
                 first = time.monotonic() - start
             if "timings" in event:
                 tokens = int(event["timings"]["predicted_n"])
-    return (first if first is not None else time.monotonic() - start), tokens
+    total = time.monotonic() - start
+    return (first if first is not None else total), tokens, total
 
 
-def run_batch(url: str, concurrency: int, n: int) -> tuple[float, float]:
-    """(aggregate tok/s, median TTFT) of 2 x `concurrency` requests, `concurrency` at a time."""
+def run_batch(url: str, concurrency: int, n: int) -> tuple[float, list[float], list[float]]:
+    """(aggregate tok/s, TTFTs, latencies) of 2 x `concurrency` requests, `concurrency` at a
+    time."""
     jobs = [PROMPTS[i % len(PROMPTS)] for i in range(2 * concurrency)]
     start = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: one_request(url, p, n), jobs))
     wall = time.monotonic() - start
-    return sum(t for _, t in results) / wall, statistics.median(f for f, _ in results)
+    return (
+        sum(t for _, t, _ in results) / wall,
+        [f for f, _, _ in results],
+        [s for *_, s in results],
+    )
 
 
 def main() -> None:
@@ -90,7 +100,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-c", "--concurrency", default="1,2,4,8")
     args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    slots = str(max(levels))
     if args.target is None:
         pair = models.default_pair()
         args.target, args.draft = pair.target, pair.draft
@@ -101,17 +114,31 @@ def main() -> None:
         text=True,
     ).stdout.strip()
     t = str(args.threads)
+    specdec = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "serve",
+        str(args.target),
+        "--draft",
+        str(args.draft),
+        "-c",
+        "4096",
+        "-t",
+        t,
+    ]
     servers = {
-        "specdec serve (auto)": lambda port: [
-            sys.executable, "-m", "cli.main", "serve", str(args.target), "--draft",
-            str(args.draft), "-c", "4096", "-t", t, "--port", str(port),
+        f"specdec serve -np {slots} (auto)": lambda port: [
+            *specdec, "-np", slots, "--port", str(port),
         ],
-        "llama-server -md (its defaults)": lambda port: [
-            f"{tools}/llama-server", "-m", str(args.target), "-md", str(args.draft), "-c", "4096",
-            "-t", t, "-td", t, "--port", str(port), "--host", "127.0.0.1", "-np", "4",
+        "specdec serve -np 1 (auto)": lambda port: [*specdec, "-np", "1", "--port", str(port)],
+        f"llama-server -np {slots} -md (its defaults)": lambda port: [
+            f"{tools}/llama-server", "-m", str(args.target), "-md", str(args.draft),
+            "-c", str(4096 * int(slots)), "-t", t, "-td", t, "--port", str(port),
+            "--host", "127.0.0.1", "-np", slots,
         ],
     }  # fmt: skip
-    results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, int], list[tuple[float, list[float], list[float]]]] = {}
     for r in range(args.rounds):
         order = list(servers) if r % 2 == 0 else list(reversed(servers))
         for name in order:
@@ -123,19 +150,25 @@ def main() -> None:
             try:
                 wait_ready(url, proc)
                 one_request(url, "Hello", 8)  # warm-up
-                for c in (1, 4):
+                for c in levels:
                     results.setdefault((name, c), []).append(run_batch(url, c, args.n))
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
     print(f"{args.target.name} + {args.draft.name}, {args.n} tokens per request, greedy")
-    print("| server | concurrency | aggregate tok/s | median TTFT (s) | rounds (tok/s) |")
-    print("|---|---|---|---|---|")
-    for (name, c), rows in results.items():
-        speeds = [s for s, _ in rows]
+    print(
+        "| server | concurrency | aggregate tok/s | median TTFT (s) | latency p50 / max (s) "
+        "| rounds (tok/s) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for (name, c), rows in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        speeds = [s for s, _, _ in rows]
+        ttfts = [f for _, fs, _ in rows for f in fs]
+        latencies = [x for *_, xs in rows for x in xs]
         print(
-            f"| {name} | {c} | {statistics.median(speeds):.1f} | "
-            f"{statistics.median(f for _, f in rows):.2f} | {', '.join(f'{s:.1f}' for s in speeds)} |"
+            f"| {name} | {c} | {statistics.median(speeds):.1f} | {statistics.median(ttfts):.2f} "
+            f"| {statistics.median(latencies):.2f} / {max(latencies):.2f} "
+            f"| {', '.join(f'{s:.1f}' for s in speeds)} |"
         )
 
 

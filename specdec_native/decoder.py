@@ -24,6 +24,7 @@ from specdec_native import _core, calibration
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT = 64
+MAX_PARALLEL = 64
 INT32_MAX = (1 << 31) - 1  # the engine's counts and token ids are 32-bit
 FLOAT32_TINY, FLOAT32_MAX = 1e-30, 1e38  # sampling settings are 32-bit floats in the engine
 AUTO = "auto"
@@ -83,7 +84,7 @@ class Stats:
     """Counters and timers of one generation (times in seconds)."""
 
     n_prompt: int
-    n_prompt_cached: int  # prompt tokens already in the cache from the previous request
+    n_prompt_cached: int  # prompt tokens already in the slot's cache (an earlier request's)
     n_generated: int
     n_target_passes: int
     n_drafted: int
@@ -94,6 +95,7 @@ class Stats:
     fallback_reason: str
     draft_error: str  # why drafting was dropped for this request ("" when it was not)
     n_look_backs: int
+    n_shared_steps: int  # steps batched with other requests' rows in the target's decode
     steps_at_k: list[int]
     drafted_by_model: int
     accepted_by_model: int
@@ -101,7 +103,7 @@ class Stats:
     accepted_by_ngram: int
     accepted_at: list[int]
     proposed_at: list[int]
-    t_queue: float  # waiting for the decoder while another call ran
+    t_queue: float  # waiting for a free slot
     t_prompt: float
     t_first_token: float  # from the call (queue included) to the first token; 0 if none
     t_draft: float
@@ -268,8 +270,10 @@ class SpeculativeDecoder:
 
     ``n_draft`` (K) is how many tokens the draft proposes per step; without a draft, or with
     ``n_draft=0``, the same engine decodes with the target alone (the baseline).
-    One generation runs at a time per decoder: concurrent calls from several threads are
-    serialized (each waits for the one before it).
+    ``n_parallel`` requests generate at once: calls from several threads (or tasks, with the
+    async methods) share one batched step per token, each in its own slot of both contexts
+    (each slot holds ``n_ctx`` tokens); further calls wait for a slot. A new request takes the
+    free slot whose cache shares the longest prefix with its prompt and decodes only the rest.
 
     ``calibration_cache``: under "auto", reuse the decode costs measured by an earlier run with
     the same models, settings and machine, and store newly measured ones
@@ -291,6 +295,7 @@ class SpeculativeDecoder:
         ngram_min: int = 1,
         ngram_max: int = 4,
         calibration_cache: bool = True,
+        n_parallel: int = 1,
         verbose: bool = False,
         _borrow: tuple[Any, Any] = (None, None),
     ) -> None:
@@ -305,6 +310,7 @@ class SpeculativeDecoder:
         fixed_k = 4 if self._adaptive else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
         _check_int("n_ctx", n_ctx, 16, 1 << 20)
         _check_int("n_batch", n_batch, 1, 1 << 16)
+        _check_int("n_parallel", n_parallel, 1, MAX_PARALLEL)
         threads = 0 if n_threads is None else _check_int("n_threads", n_threads, 1, 1024)
         _check_int("n_gpu_layers", n_gpu_layers, -1)
         d_ngl = n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers
@@ -324,6 +330,7 @@ class SpeculativeDecoder:
             verbose=verbose,
             target_model=_model_address(_borrow[0]),
             draft_model=_model_address(_borrow[1]),
+            n_parallel=n_parallel,
         )
         # Llama objects whose weights the engine uses: kept alive as long as it is.
         self._borrowed = [llm for llm in _borrow if llm is not None]
@@ -344,7 +351,8 @@ class SpeculativeDecoder:
                     "ngram": bool(ngram),
                 },
             )
-            if calibration_cache and (draft_path or ngram)
+            # The cache holds one sequence's costs; batches' are measured with them.
+            if calibration_cache and (draft_path or ngram) and n_parallel == 1
             else None
         )
 
@@ -417,6 +425,11 @@ class SpeculativeDecoder:
     @property
     def n_ctx(self) -> int:
         return self._live().n_ctx
+
+    @property
+    def n_parallel(self) -> int:
+        """How many requests generate at once."""
+        return self._live().n_parallel
 
     def info(self) -> dict[str, Any]:
         """Architecture, size and vocabulary of the target (and draft)."""

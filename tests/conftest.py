@@ -15,6 +15,11 @@ from specdec_native import models
 # verification and one-token decoding use different kernels and accumulate different rounding
 # in the KV cache (measured on Gemma 3 Q4_K_M: the two reads of one position differ by up to 0.3).
 NEAR_TIE_GAP = 0.35
+# The same where other requests' rows share the decode: a decode of 100+ rows takes other matrix
+# kernels than one of a few, and rounding moves further (measured on the deep pair: one position
+# read 0.36 alone and 0.07-0.24 in a shared batch, from run to run). Still far below the median
+# decision margin (1.3-2.0, see test_greedy_identity).
+BATCHED_NEAR_TIE_GAP = 0.5
 
 PROMPTS = [
     "The history of the Roman Empire",

@@ -3,11 +3,13 @@
 On the tiny-vocab pair, N = 20,000 generations of 3 tokens each with K = 2 (so one step covers
 acceptance, the residual and the bonus token) are compared with N target-only generations by a
 chi-squared test of homogeneity, per setting. A test of the test runs the same comparison against
-a deliberately wrong rule (resampling from p after a rejection) and must see it fail.
+a deliberately wrong rule (resampling from p after a rejection) and must see it fail. The same
+holds for requests that share a batch: four threads generating at once in four slots.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +69,29 @@ def sample(
     return counts, (accepted / drafted if drafted else 0.0)
 
 
+def sample_together(
+    dec: sd.SpeculativeDecoder, k: int, seed0: int, n_threads: int
+) -> tuple[Counter[tuple[int, ...]], int]:
+    """sample() at temperature 1 split over threads that generate at once; also the number of
+    steps that shared the target's decode with another request."""
+    engine = dec._live()
+    counts: list[Counter[tuple[int, ...]]] = [Counter() for _ in range(n_threads)]
+    shared = [0] * n_threads
+
+    def work(t: int) -> None:
+        for i in range(t, N, n_threads):
+            out = engine.generate(PROMPT, 3, 1.0, 0, 1.0, 0.0, seed0 + i, [], k, None)
+            counts[t][tuple(out["tokens"])] += 1
+            shared[t] += out["stats"]["n_shared_steps"]
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return sum(counts, Counter()), sum(shared)
+
+
 def homogeneity_pvalue(a: Counter[Any], b: Counter[Any]) -> float:
     """Chi-squared test that two samples come from one distribution; sparse cells pooled."""
     keys = sorted(set(a) | set(b))
@@ -95,6 +120,20 @@ def test_matches_target_distribution(near: sd.SpeculativeDecoder, name: str) -> 
     for n in (1, 2, 3):
         p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
         assert p > 1e-3, f"{name}: first {n} tokens differ from target-only sampling (p={p:.2e})"
+
+
+def test_requests_sharing_a_batch_match_the_target_distribution(
+    near: sd.SpeculativeDecoder,
+) -> None:
+    base, _ = sample(near, 0, 10_000_000)
+    with sd.SpeculativeDecoder(
+        near.target_path, near.draft_path, n_ctx=64, n_threads=1, n_parallel=4
+    ) as together:
+        spec, shared = sample_together(together, 2, 50_000_000, n_threads=4)
+    assert shared > N // 2  # most steps had company
+    for n in (1, 2, 3):
+        p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
+        assert p > 1e-3, f"first {n} tokens differ from target-only sampling (p={p:.2e})"
 
 
 def test_far_draft_still_exact(far: sd.SpeculativeDecoder) -> None:

@@ -1,0 +1,304 @@
+#include "generation.h"
+
+#include <algorithm>
+
+#include "errors.h"
+
+namespace specdec {
+namespace {
+
+double seconds_since(Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel> channel,
+                       llama_seq_id seq, const AdaptivePolicy& policy)
+    : parts_(parts),
+      channel_(std::move(channel)),
+      req_(channel_->request),
+      seq_id_(seq),
+      policy_(policy),
+      rng_(req_.seed),
+      text_(req_.stop),
+      n_draft_(req_.n_draft >= 0 ? req_.n_draft : parts.default_n_draft) {
+    const bool can_draft = parts_.drafter != nullptr || parts_.ngram;
+    if (parts_.ngram) ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
+    if (!can_draft) n_draft_ = 0;
+    adaptive_ = req_.adaptive && can_draft;
+    if (adaptive_ && req_.max_tokens < kMinTokensToSpeculate) {
+        adaptive_ = false;
+        n_draft_ = 0;
+        stats().fallback_reason = "short request";
+    }
+    drafts_with_model_ = parts_.drafter != nullptr && (adaptive_ || n_draft_ > 0);
+}
+
+void Generation::begin() {
+    admitted_ = Clock::now();
+    stats().t_queue = seconds_since(channel_->called);
+    stats().n_prompt = static_cast<int>(req_.prompt.size());
+    if (adaptive_) policy_.begin_generation(looks_back(), !greedy());
+    seq_ = req_.prompt;
+    // The target's cache holds all committed tokens but the last, which each step decodes
+    // together with the draft.
+    prefilled_ = parts_.target.keep_common_prefix(seq_id_, seq_, seq_.size() - 1);
+    stats().n_prompt_cached = static_cast<int>(prefilled_);
+    unseen_from_ = seq_.size();
+}
+
+int Generation::add_prefill(Batch& batch, int budget) {
+    const size_t end = std::min(req_.prompt.size() - 1, prefilled_ + static_cast<size_t>(budget));
+    for (size_t i = prefilled_; i < end; ++i)
+        batch.add(seq_[i], static_cast<llama_pos>(i), false, seq_id_);
+    const int added = static_cast<int>(end - prefilled_);
+    prefilled_ = end;
+    // The draft reads the prompt alongside, so its first draft does not have to.
+    if (drafts_with_model_) parts_.drafter->prefill(seq_id_, seq_, static_cast<size_t>(added));
+    return added;
+}
+
+void Generation::prefill_decoded(double seconds) { stats().t_prompt += seconds; }
+
+void Generation::check_stop() {
+    if (finished()) return;
+    if (channel_->cancel_requested()) {
+        finish("cancelled");
+    } else if (channel_->past_deadline()) {
+        finish("timeout");
+    } else if (static_cast<int>(seq_.size()) > parts_.target.n_ctx()) {
+        finish("context");
+    }
+}
+
+// The most tokens this step may draft: bounded by the context, by what may still be emitted and
+// by the room the batch leaves this sequence.
+int Generation::draft_cap() const {
+    if (drafting_dropped_) return 0;
+    const int room_in_context = parts_.target.n_ctx() - static_cast<int>(seq_.size());
+    const int still_wanted = req_.max_tokens - static_cast<int>(result_.tokens.size()) - 1;
+    int cap = std::min({parts_.max_draft, room_in_context, still_wanted});
+    if (parts_.draft)
+        cap = std::min(cap, parts_.draft->n_ctx() - static_cast<int>(seq_.size()) + 1);
+    return std::max(cap, 0);
+}
+
+int Generation::choose_k(int row_cap) {
+    const int cap = std::min(draft_cap(), row_cap - 1);
+    if (!adaptive_) {
+        k_ = std::max(0, std::min(n_draft_, cap));
+        return k_;
+    }
+    std::string why;
+    int k = policy_.choose(cap, &why);
+    if (k == AdaptivePolicy::kLookBack) {
+        look_back();
+        k = policy_.choose(cap, &why);
+    }
+    if (k == 0 && cap > 0) {
+        ++stats().n_fallback_steps;
+        if (!why.empty()) stats().fallback_reason = why;
+    }
+    k_ = std::max(k, 0);
+    return k_;
+}
+
+// Greedy requests only: a look back at sampled text (unbiased estimates of each token's chance
+// of acceptance) made `auto` draft more where drafting loses (docs/adaptive.md).
+// With n-gram drafting first, the text committed without a draft is not the draft model's to
+// score.
+bool Generation::looks_back() const {
+    return parts_.drafter != nullptr && !parts_.ngram && greedy();
+}
+
+// Asks the draft, for each token committed since it last drafted, whether it would have drafted
+// that token there (greedy: the draft's argmax), and tells the policy.
+void Generation::look_back() {
+    const auto start = Clock::now();
+    hindsight_.clear();
+    const int n_vocab = parts_.draft->n_vocab();
+    parts_.drafter->look_back(seq_id_, seq_, unseen_from_, [&](size_t t, const float* logits) {
+        const bool hit = all_finite(logits, n_vocab) && argmax(logits, n_vocab) == seq_[t];
+        hindsight_.push_back(hit ? 1.0 : 0.0);
+    });
+    policy_.observe_hindsight(hindsight_);
+    unseen_from_ = seq_.size();
+    ++stats().n_look_backs;
+    stats().t_draft += seconds_since(start);
+}
+
+void Generation::drop_drafting(const std::string& why) {
+    drafting_dropped_ = true;
+    stats().draft_error = why;
+}
+
+bool Generation::draft_by_ngram() {
+    draft_.tokens.clear();
+    draft_.q.clear();
+    draft_.caught_up = 0;
+    draft_.t_catch_up = 0.0;
+    draft_.non_finite = false;
+    t_draft_step_ = 0.0;
+    if (k_ == 0 || !ngram_) return false;
+    const auto start = Clock::now();
+    ngram_->propose(seq_, k_, draft_);
+    t_draft_step_ = seconds_since(start);
+    return !draft_.tokens.empty();
+}
+
+ModelDrafter::Job Generation::model_job() {
+    ModelDrafter::Job job;
+    job.seq = seq_id_;
+    job.committed = &seq_;
+    job.k = k_;
+    job.p_min = req_.draft_p_min;
+    job.sampling = &req_.sampling;
+    job.rng = &rng_;
+    job.out = &draft_;
+    return job;
+}
+
+void Generation::drafted(double seconds) {
+    t_draft_step_ += seconds;
+    if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
+    stats().count_proposal(static_cast<int>(draft_.tokens.size()));
+    stats().drafted_by[static_cast<int>(draft_.source)] += static_cast<int>(draft_.tokens.size());
+    stats().t_draft += t_draft_step_;
+}
+
+void Generation::add_verify_rows(Batch& batch) {
+    base_ = seq_.size();
+    first_row_ = batch.size();
+    batch.add(seq_.back(), static_cast<llama_pos>(base_ - 1), true, seq_id_);
+    for (size_t i = 0; i < draft_.tokens.size(); ++i)
+        batch.add(draft_.tokens[i], static_cast<llama_pos>(base_ + i), true, seq_id_);
+}
+
+// Row i of this sequence's rows scores the token after [.., last, d1..di]. Non-finite logits
+// have no right answer to give, so they end the request with an error.
+const float* Generation::target_logits(size_t row) {
+    const float* logits =
+        llama_get_logits_ith(parts_.target.ctx(), first_row_ + static_cast<int32_t>(row));
+    if (!all_finite(logits, parts_.target.n_vocab()))
+        throw NonFiniteLogitsError(
+            "the target model " + parts_.target.path() +
+            " produced non-finite logits (NaN or Inf) for the token at position " +
+            std::to_string(base_ + row) + ": the model file or the backend is broken");
+    return logits;
+}
+
+const Distribution& Generation::target_distribution(size_t row) {
+    make_distribution(target_logits(row), parts_.target.n_vocab(), req_.sampling, workspace_, p_);
+    return p_;
+}
+
+void Generation::accept(double t_verify, bool shared) {
+    const auto start = Clock::now();
+    const size_t k = draft_.tokens.size();
+    step_tokens_.clear();
+    step_margins_.clear();
+    accept_chances_.clear();
+    size_t i = 0;
+    for (; i < k; ++i) {
+        const llama_token x = draft_.tokens[i];
+        const llama_token verdict = greedy() ? greedy_verdict(i) : sampled_verdict(i, x);
+        step_tokens_.push_back(verdict);
+        if (verdict != x) break;
+    }
+    if (i == k) step_tokens_.push_back(target_token(k));
+    const auto n_accepted = static_cast<int>(i);
+    stats().count_acceptance(n_accepted);
+    stats().accepted_by[static_cast<int>(draft_.source)] += n_accepted;
+    ++stats().n_target_passes;
+    if (shared) ++stats().n_shared_steps;
+    const double t_step_verify = t_verify + seconds_since(start);
+    stats().t_verify += t_step_verify;
+
+    int committed = 0;
+    for (size_t j = 0; j < step_tokens_.size(); ++j)
+        committed += commit(step_tokens_[j], step_margins_.empty() ? 0.0f : step_margins_[j]);
+    stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
+    // A look back scores the tokens committed since the draft last drafted.
+    if (!draft_.tokens.empty()) unseen_from_ = seq_.size();
+    if (adaptive_) {
+        StepOutcome outcome{static_cast<int>(k), n_accepted,       t_draft_step_,
+                            t_step_verify,       draft_.caught_up, draft_.t_catch_up};
+        outcome.shared = shared;
+        if (!greedy()) outcome.accept_chance = &accept_chances_;
+        policy_.observe(outcome);
+    }
+    // Positions at or past the first rejected draft hold keys/values of tokens that were not
+    // committed.
+    parts_.target.forget_from(seq_id_, static_cast<llama_pos>(base_ + i));
+}
+
+// Greedy: the target's argmax at row i (the draft token when they agree).
+llama_token Generation::greedy_verdict(size_t row) {
+    const Top2 t = top2(target_logits(row), parts_.target.n_vocab());
+    step_margins_.push_back(t.margin);
+    return t.best;
+}
+
+// Sampling: x when accepted (prob min(1, p/q)), else a draw from the residual.
+llama_token Generation::sampled_verdict(size_t row, llama_token x) {
+    const Distribution& p = target_distribution(row);
+    const Distribution* q = draft_.q[row];
+    // Only the adaptive policy reads it, and it is a pass over q's support per position.
+    if (adaptive_) accept_chances_.push_back(q ? acceptance_chance(p, *q) : double(p[x]));
+    const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
+    if (ok) return x;
+    if (req_.wrong_residual_for_tests) return sample(p, rng_);
+    return q ? sample_residual(p, *q, rng_) : sample_residual_point(p, x, rng_);
+}
+
+// The token after an all-accepted draft (the bonus), or the only token of a K=0 step.
+llama_token Generation::target_token(size_t row) {
+    if (greedy()) return greedy_verdict(row);
+    return sample(target_distribution(row), rng_);
+}
+
+// Appends one token to the output unless generation already finished; returns 1 if it did.
+int Generation::commit(llama_token token, float margin) {
+    if (finished()) return 0;
+    if (parts_.target.is_eog(token)) {
+        finish("stop");
+        return 0;
+    }
+    if (result_.tokens.empty()) stats().t_first_token = seconds_since(channel_->called);
+    seq_.push_back(token);
+    result_.tokens.push_back(token);
+    if (greedy()) result_.margins.push_back(margin);
+    emit(text_.push(parts_.target.token_piece(token)));
+    if (text_.stopped()) {
+        finish("stop");
+    } else if (static_cast<int>(result_.tokens.size()) >= req_.max_tokens) {
+        finish("length");
+    }
+    return 1;
+}
+
+void Generation::emit(const std::string& text) {
+    if (text.empty()) return;
+    result_.text += text;
+    {
+        std::lock_guard<std::mutex> lock(channel_->mutex);
+        channel_->text += text;
+    }
+    channel_->changed.notify_all();
+}
+
+void Generation::publish(std::exception_ptr error) {
+    if (!error) emit(text_.flush());
+    result_.stats.n_generated = static_cast<int>(result_.tokens.size());
+    result_.stats.t_total = seconds_since(admitted_);
+    {
+        std::lock_guard<std::mutex> lock(channel_->mutex);
+        channel_->result = std::move(result_);
+        channel_->error = error;
+        channel_->done = true;
+    }
+    channel_->changed.notify_all();
+}
+
+}  // namespace specdec

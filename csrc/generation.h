@@ -1,0 +1,201 @@
+// One request in the engine: what its caller and the scheduler share (RequestChannel), and its
+// state while it holds a slot (Generation): the tokens, the sampler, the policy's evidence, the
+// stats. The scheduler runs the phases of a step for every slot together; each phase here is
+// one sequence's part in it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "batch.h"
+#include "drafter.h"
+#include "model.h"
+#include "model_drafter.h"
+#include "ngram_drafter.h"
+#include "policy.h"
+#include "sampling.h"
+#include "stats.h"
+#include "text_stream.h"
+
+namespace specdec {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = std::optional<Clock::time_point>;
+
+// Set from any thread to stop one request ("cancelled"), whether it runs or still waits.
+struct CancelFlag {
+    std::atomic<bool> requested{false};
+};
+
+struct GenerateRequest {
+    std::vector<llama_token> prompt;
+    int max_tokens = 128;
+    SamplingParams sampling;
+    uint64_t seed = 0;
+    std::vector<std::string> stop;
+    int n_draft = -1;          // -1: the engine's default
+    bool adaptive = false;     // choose K each step from measured costs (n_draft is then ignored)
+    float draft_p_min = 0.0f;  // stop drafting when the draft's probability falls below this
+    double timeout = 0.0;      // seconds from the call after which it ends ("timeout"); 0: never
+    std::shared_ptr<CancelFlag> cancel;  // may be null
+    // Test-only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
+    // wrong rule, so the distribution tests can show that they catch it.
+    bool wrong_residual_for_tests = false;
+};
+
+struct GenerationResult {
+    std::vector<llama_token> tokens;
+    std::string text;
+    std::string finish_reason;  // "stop", "length", "context", "cancelled", "timeout"
+    // Greedy only: for each token, the target's top-1 minus top-2 logit where it was chosen.
+    std::vector<float> margins;
+    Stats stats;
+};
+
+// A request between its caller's thread and the scheduler's. The scheduler appends committed
+// text and finally sets the result (or the error); the caller hands the text to its callback
+// on its own thread, so a slow callback never holds up the batch.
+struct RequestChannel {
+    // A request without a cancel flag gets one: a callback that throws stops it with it.
+    RequestChannel(GenerateRequest r, Clock::time_point called_at, Deadline until)
+        : request(with_cancel_flag(std::move(r))), called(called_at), deadline(until) {}
+    static GenerateRequest with_cancel_flag(GenerateRequest r) {
+        if (!r.cancel) r.cancel = std::make_shared<CancelFlag>();
+        return r;
+    }
+    bool cancel_requested() const { return request.cancel->requested.load(); }
+    bool past_deadline() const { return deadline && Clock::now() >= *deadline; }
+
+    const GenerateRequest request;
+    const Clock::time_point called;
+    const Deadline deadline;
+
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::string text;       // committed, not yet handed to the caller
+    bool admitted = false;  // holds a slot (the caller can no longer withdraw it)
+    bool done = false;
+    GenerationResult result;
+    std::exception_ptr error;
+};
+
+// What a generation uses of the engine: shared by every slot.
+struct EngineParts {
+    Model& target;
+    Model* draft;           // null: no draft model
+    ModelDrafter* drafter;  // null: no draft model
+    bool ngram;             // draft from n-gram matches first
+    int ngram_min, ngram_max;
+    int default_n_draft;
+    int max_draft;
+};
+
+class Generation {
+  public:
+    // Requests shorter than this are not worth drafting for in adaptive mode.
+    static constexpr int kMinTokensToSpeculate = 4;
+
+    Generation(const EngineParts& parts, std::shared_ptr<RequestChannel> channel, llama_seq_id seq,
+               const AdaptivePolicy& policy);
+
+    llama_seq_id seq() const { return seq_id_; }
+    bool adaptive() const { return adaptive_; }
+    const AdaptivePolicy& policy() const { return policy_; }
+    bool finished() const { return !result_.finish_reason.empty(); }
+
+    // Admission: keeps what the target's cache already holds of the prompt (a chat's earlier
+    // turns) and starts the clocks.
+    void begin();
+    // Whether the target's cache still lacks part of the prompt (all of it but the last token,
+    // which the first step decodes).
+    bool prefilling() const { return prefilled_ + 1 < req_.prompt.size(); }
+    // Adds up to `budget` of the prompt's missing tokens to the target's batch (no logits) and
+    // decodes as many into the draft's cache. Returns how many it added.
+    int add_prefill(Batch& batch, int budget);
+    // After the decode holding the prefill rows.
+    void prefill_decoded(double seconds);
+
+    // Ends the request if it was cancelled, ran past its deadline or filled its context.
+    void check_stop();
+    // The K this step wants, at most `row_cap` - 1 (the batch's room for this sequence): fixed,
+    // or the policy's choice (which may first look back at the text committed without it).
+    int choose_k(int row_cap);
+    // The policy's expected tokens of a step drafting k = 0..cap tokens, for batch planning.
+    std::vector<double> expected_tokens(int cap) const { return policy_.expected_tokens(cap); }
+    // Lowers this step's K (a batch planner's decision).
+    void limit_k(int k) { k_ = std::min(k_, k); }
+    int k() const { return k_; }
+    // Drafts from n-gram matches, when configured; false when it found none (or k is 0).
+    bool draft_by_ngram();
+    // This sequence's part in the batched model draft (k > 0 and no n-gram draft).
+    ModelDrafter::Job model_job();
+    // After drafting: the stats, and whether to stop trusting the draft.
+    void drafted(double seconds);
+    // Appends [last, d1..dK] to the target's batch, logits on every row.
+    void add_verify_rows(Batch& batch);
+    // Reads this sequence's rows of the target decode: accepted prefix plus one token of the
+    // target's, committed, the rest rolled back. `shared`: the decode held other sequences' rows
+    // too, so its time is not this K's cost.
+    void accept(double t_verify, bool shared);
+
+    // Hands the result to the caller (or `error`, if set) and frees nothing else.
+    void publish(std::exception_ptr error = nullptr);
+    // Ends the request with `reason` unless it has ended already.
+    void finish(const char* reason) {
+        if (result_.finish_reason.empty()) result_.finish_reason = reason;
+    }
+
+  private:
+    Stats& stats() { return result_.stats; }
+    bool greedy() const { return req_.sampling.greedy(); }
+    int draft_cap() const;
+    bool looks_back() const;
+    void look_back();
+    void drop_drafting(const std::string& why);
+    const float* target_logits(size_t row);
+    const Distribution& target_distribution(size_t row);
+    llama_token greedy_verdict(size_t row);
+    llama_token sampled_verdict(size_t row, llama_token x);
+    llama_token target_token(size_t row);
+    int commit(llama_token token, float margin);
+    void emit(const std::string& text);
+
+    EngineParts parts_;
+    std::shared_ptr<RequestChannel> channel_;
+    const GenerateRequest& req_;
+    llama_seq_id seq_id_;
+    AdaptivePolicy policy_;
+    Rng rng_;
+    TextStream text_;
+    std::optional<NgramDrafter> ngram_;
+    int n_draft_;
+    bool adaptive_ = false;
+    bool drafting_dropped_ = false;
+    bool drafts_with_model_ = false;  // the draft model may be asked (its cache is kept filled)
+    Clock::time_point admitted_;
+    std::vector<llama_token> seq_;  // prompt + committed tokens
+    size_t prefilled_ = 0;          // prompt tokens the target's cache holds
+    int k_ = 0;                     // this step's K
+    size_t base_ = 0;               // position of the first draft token
+    int first_row_ = 0;             // this sequence's first row in the target's batch
+    Draft draft_;
+    double t_draft_step_ = 0.0;             // this step's drafting seconds
+    std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
+    std::vector<float> step_margins_;
+    std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
+    size_t unseen_from_ = 0;              // seq_[unseen_from_..]: committed without a draft
+    std::vector<double> hindsight_;
+    Distribution p_;
+    SamplingWorkspace workspace_;
+    GenerationResult result_;
+};
+
+}  // namespace specdec
