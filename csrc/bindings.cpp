@@ -43,6 +43,7 @@ py::dict stats_dict(const Stats& s) {
     d["draft_error"] = s.draft_error;
     d["n_look_backs"] = s.n_look_backs;
     d["n_shared_steps"] = s.n_shared_steps;
+    d["recalibrated"] = s.recalibrated;
     d["steps_at_k"] = s.steps_at_k;
     d["drafted_by_model"] = s.drafted_by[0];
     d["accepted_by_model"] = s.accepted_by[0];

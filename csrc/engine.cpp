@@ -464,10 +464,25 @@ void Engine::retire(int seq, std::exception_ptr error) {
         }
     } else if (g->adaptive()) {
         // What it learnt (acceptance, costs) is where the next request starts from.
-        std::lock_guard<std::mutex> lock(policy_mutex_);
-        policy_ = g->policy();
+        {
+            std::lock_guard<std::mutex> lock(policy_mutex_);
+            policy_ = g->policy();
+        }
+        if (g->policy().costs_disagree() && !any_active()) recalibrate_after(*g);
     }
     g->publish(error);
+}
+
+void Engine::recalibrate_after(Generation& g) {
+    // Before its result goes out, so that what the caller stores is the new measurement.
+    job_cancel_.store(g.cancel_flag());
+    try {
+        calibrate_locked(g.prompt());
+        g.note_recalibrated();
+    } catch (const std::exception&) {
+        // Cancelled, or a failed decode: the old costs stay.
+    }
+    job_cancel_.store(nullptr);
 }
 
 void Engine::step() {
@@ -496,36 +511,36 @@ void Engine::step() {
 
     // Drafts: n-gram matches first, then the draft model, for every sequence in one go.
     draft_jobs_.clear();
-    std::vector<bool> by_model(decoding_.size(), false);
+    by_model_.assign(decoding_.size(), false);
     for (size_t i = 0; i < decoding_.size(); ++i) {
         Generation* g = decoding_[i];
         if (!g->draft_by_ngram() && g->k() > 0 && drafter_) {
             draft_jobs_.push_back(g->model_job());
-            by_model[i] = true;
+            by_model_[i] = true;
         }
     }
     const auto draft_start = Clock::now();
     if (!draft_jobs_.empty()) drafter_->propose(draft_jobs_);
     const double t_draft = seconds_since(draft_start);
-    for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model[i] ? t_draft : 0);
+    for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model_[i] ? t_draft : 0);
 
     // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
     target_batch_.clear();
     for (Generation* g : decoding_) g->add_verify_rows(target_batch_);
     prefill_budget = std::min(prefill_budget, n_batch - target_batch_.size());
-    std::vector<Generation*> prefilled;
+    prefilled_.clear();
     for (Generation* g : prefilling_) {
         if (prefill_budget <= 0) break;
         prefill_budget -= g->add_prefill(target_batch_, prefill_budget);
-        prefilled.push_back(g);
+        prefilled_.push_back(g);
     }
     if (target_batch_.size() == 0) return;
     const auto verify_start = Clock::now();
     decode(*target_, target_batch_);
     const double t_verify = seconds_since(verify_start);
-    for (Generation* g : prefilled) g->prefill_decoded(t_verify);
+    for (Generation* g : prefilled_) g->prefill_decoded(t_verify);
 
-    const bool shared = decoding_.size() + prefilled.size() > 1;
+    const bool shared = decoding_.size() + prefilled_.size() > 1;
     for (Generation* g : decoding_) {
         try {
             g->accept(t_verify, shared);

@@ -124,6 +124,8 @@ class Engine {
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
     void retire(int seq, std::exception_ptr error = nullptr);
+    // Measures the costs again after a request whose steps found them off (idle engine only).
+    void recalibrate_after(Generation& g);
     void stop_everything();
     EngineParts parts();
 
@@ -166,7 +168,8 @@ class Engine {
     std::vector<std::unique_ptr<Generation>> slots_;  // [seq]; null when free
     std::vector<uint64_t> last_used_;                 // [seq]: when its request ended
     uint64_t clock_ = 0;
-    std::vector<Generation*> decoding_, prefilling_;
+    std::vector<Generation*> decoding_, prefilling_, prefilled_;
+    std::vector<bool> by_model_;  // [i]: decoding_[i] drafts with the draft model this step
     std::vector<ModelDrafter::Job> draft_jobs_;
 
     bool scheduler_running_ = false;  // queue_mutex_

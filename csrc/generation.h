@@ -148,6 +148,9 @@ class Generation {
 
     // Hands the result to the caller (or `error`, if set) and frees nothing else.
     void publish(std::exception_ptr error = nullptr);
+    const std::vector<llama_token>& prompt() const { return req_.prompt; }
+    CancelFlag* cancel_flag() const { return req_.cancel.get(); }
+    void note_recalibrated() { result_.stats.recalibrated = true; }
     // Ends the request with `reason` unless it has ended already.
     void finish(const char* reason) {
         if (result_.finish_reason.empty()) result_.finish_reason = reason;

@@ -34,6 +34,12 @@ void track_cost(double& estimate, double sample) {
     estimate = kCostDecay * estimate + (1.0 - kCostDecay) * sample;
 }
 
+// A request judges the calibration on its first kHealSteps steps: when their median verify cost
+// is off from the calibrated one by more than kHealFactor either way (this 2-core machine's
+// noise between runs is 4-15 %), the costs are measured again.
+constexpr size_t kHealSteps = 12;
+constexpr double kHealFactor = 1.5;
+
 // In a greedy request, target-only must look this much faster than the current K before
 // drafting stops (choose() says why; a sampled request needs only the hysteresis).
 constexpr double kLeaveMargin = 0.15;
@@ -99,6 +105,7 @@ std::vector<double> AdaptivePolicy::acceptance() const {
 }
 
 void AdaptivePolicy::begin_generation(bool look_back, bool sampled) {
+    cost_ratios_.clear();
     looking_back_ = look_back;
     sampled_ = sampled;
     // What the last request taught keeps its direction but counts as little as evidence can:
@@ -130,6 +137,8 @@ void AdaptivePolicy::calibrate(std::vector<double> verify_costs, std::vector<dou
         if (!std::isfinite(t) || t < 0.0)
             throw std::invalid_argument("draft costs must be finite and >= 0");
     verify_cost_ = std::move(verify_costs);
+    calibrated_verify_ = verify_cost_;
+    cost_ratios_.clear();
     draft_cost_ = std::move(draft_costs);
     calibration_seconds_ = seconds_taken;
     ever_pays_ = pays_at_best();
@@ -200,6 +209,15 @@ std::vector<double> AdaptivePolicy::expected_rates(int cap) const {
         rates.push_back(step > 0.0 ? tokens / step : 0.0);
     }
     return rates;
+}
+
+bool AdaptivePolicy::costs_disagree() const {
+    if (cost_ratios_.size() < kHealSteps) return false;
+    std::vector<double> ratios = cost_ratios_;
+    std::nth_element(ratios.begin(), ratios.begin() + static_cast<long>(ratios.size() / 2),
+                     ratios.end());
+    const double typical = ratios[ratios.size() / 2];
+    return typical > kHealFactor || typical < 1.0 / kHealFactor;
 }
 
 std::vector<double> AdaptivePolicy::expected_tokens(int cap) const {
@@ -386,6 +404,8 @@ void AdaptivePolicy::observe(const StepOutcome& step) {
     if (!calibrated()) return;
     decide_on_probe(step);
     if (step.shared) return;
+    if (static_cast<size_t>(k) < calibrated_verify_.size() && cost_ratios_.size() < kHealSteps)
+        cost_ratios_.push_back(step.t_verify / calibrated_verify_[static_cast<size_t>(k)]);
     if (step.caught_up == 1 || step.caught_up == 2)
         track_cost(draft_cost_[static_cast<size_t>(step.caught_up - 1)], step.t_catch_up);
     // After catching up, each draft token but the last is decoded on its own.

@@ -108,6 +108,10 @@ class AdaptivePolicy {
     void calibrate(std::vector<double> verify_costs, std::vector<double> draft_costs,
                    double seconds_taken);
     double calibration_seconds() const { return calibration_seconds_; }
+    // Whether this request's steps found the calibrated verify costs wrong by more than a busy
+    // machine's noise: a calibration taken while something else ran (and then stored and
+    // reused) is off for good until measured again.
+    bool costs_disagree() const;
     bool calibrated() const { return !verify_cost_.empty(); }
 
     // A new request is new text: whatever the last one taught, look at this one soon.
@@ -184,7 +188,10 @@ class AdaptivePolicy {
     std::vector<double> verify_cost_;  // [n-1]: seconds for a target decode of n tokens
     std::vector<double> draft_cost_;   // [n-1]: seconds for a draft decode of n = 1, 2 tokens
     double calibration_seconds_ = 0.0;
-    bool ever_pays_ = false;  // pays_at_best() at the calibration
+    bool ever_pays_ = false;                 // pays_at_best() at the calibration
+    std::vector<double> calibrated_verify_;  // verify_cost_ as calibrated
+    // This request's steps (with the decode to themselves): measured / calibrated verify cost.
+    std::vector<double> cost_ratios_;
     int current_k_ = -1;
     int steps_since_probe_ = 0;
     int probe_interval_ = 0;

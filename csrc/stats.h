@@ -20,6 +20,7 @@ struct Stats {
     std::string draft_error;      // why drafting was dropped for this request ("" if it was not)
     int n_look_backs = 0;         // times the draft caught up to score fallback text
     int n_shared_steps = 0;       // steps whose target decode held other requests' rows too
+    bool recalibrated = false;    // its steps found the costs off; they were measured again
     std::vector<int> steps_at_k;  // [k]: steps that drafted k tokens
     int drafted_by[2] = {0, 0};   // by DraftSource: model, n-gram
     int accepted_by[2] = {0, 0};

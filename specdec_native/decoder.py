@@ -96,6 +96,7 @@ class Stats:
     draft_error: str  # why drafting was dropped for this request ("" when it was not)
     n_look_backs: int
     n_shared_steps: int  # steps batched with other requests' rows in the target's decode
+    recalibrated: bool  # its steps found the stored costs off; they were measured again after it
     steps_at_k: list[int]
     drafted_by_model: int
     accepted_by_model: int
@@ -635,7 +636,10 @@ class SpeculativeDecoder:
             prompt_tokens=tokens,
             margins=list(out["margins"]),
         )
-        if first_adaptive and self._calibration is None:
+        if out["stats"]["recalibrated"]:
+            self._calibration = "measured"
+            self._store_calibration(engine)
+        elif first_adaptive and self._calibration is None:
             self._store_calibration(engine)
         return result
 

@@ -368,6 +368,7 @@ def timings(result: GenerationResult, waited: float) -> dict[str, Any]:
         "acceptance_rate": s.acceptance_rate,
         "fallback_reason": s.draft_error or s.fallback_reason,
         "queue_ms": waited * 1e3,
+        "shared_steps": s.n_shared_steps,
         "finish_reason": result.finish_reason,
     }
 

@@ -160,3 +160,28 @@ def test_damaged_or_stale_cost_curve_is_measured_again(
     with _decoder(tiny_pair) as dec:
         dec.generate("the cat", 20)
         assert dec.policy_state()["calibration"] == "measured"
+
+
+def test_a_stored_cost_curve_the_steps_contradict_is_measured_again(
+    deep_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=512) as dec:
+        dec.calibrate()
+        clean = dec.policy_state()["verify_costs"]
+    (path,) = (tmp_path / "calibration").glob("*.json")
+    # As a calibration taken while the machine was busy would be: every cost 3x too high.
+    record = json.loads(path.read_text())
+    record["verify_costs"] = [3 * t for t in record["verify_costs"]]
+    record["draft_costs"] = [3 * t for t in record["draft_costs"]]
+    path.write_text(json.dumps(record))
+    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=512) as dec:
+        healed = dec.generate(PROMPTS[0], 48)
+        state = dec.policy_state()
+        assert healed.stats.recalibrated and state["calibration"] == "measured"
+        assert state["verify_costs"][0] < 2 * clean[0]
+        assert len(healed.tokens) == 48
+    # What was stored is the new measurement: the next run trusts it.
+    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=512) as dec:
+        again = dec.generate(PROMPTS[0], 48)
+        assert not again.stats.recalibrated and dec.policy_state()["calibration"] == "cache"

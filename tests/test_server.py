@@ -168,6 +168,21 @@ def test_timings_in_llama_cpps_shape(chat_server: Server) -> None:
     assert 0.0 <= t["acceptance_rate"] <= 1.0
 
 
+def test_concurrent_requests_share_the_decode(chat_server: Server) -> None:
+    body = {"prompt": "Count slowly: one, two, three,", "max_tokens": 24, "temperature": 0}
+
+    def one(_: int) -> httpx.Response:
+        return httpx.post(chat_server.url + "/v1/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(one, range(4)))
+    assert all(r.status_code == 200 for r in responses)
+    texts = {r.json()["choices"][0]["text"] for r in responses}
+    assert all(texts)
+    # Four slots (the default -np 4): their steps rode in shared target decodes.
+    assert max(r.json()["timings"]["shared_steps"] for r in responses) > 0
+
+
 def test_speculation_can_be_turned_off_per_request(chat_server: Server) -> None:
     body = {"prompt": "a b a b a b a b", "max_tokens": 8, "temperature": 0}
     on = httpx.post(chat_server.url + "/v1/completions", json=body, timeout=60).json()
