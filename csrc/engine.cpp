@@ -85,6 +85,14 @@ Engine::Engine(const EngineConfig& config)
     if (config.n_parallel < 1 || config.n_parallel > kMaxParallel)
         throw std::invalid_argument("n_parallel must be in [1, " + std::to_string(kMaxParallel) +
                                     "]");
+    // Every decoding slot has a row in each step's decode (and llama.cpp aborts on a context
+    // whose batch is smaller than its number of sequences).
+    const int n_batch =
+        std::min(config.target.n_batch, config.draft ? config.draft->n_batch : INT32_MAX);
+    if (config.n_parallel > n_batch)
+        throw std::invalid_argument("n_parallel (" + std::to_string(config.n_parallel) +
+                                    ") must not exceed n_batch (" + std::to_string(n_batch) +
+                                    "): each slot needs a row in every step's decode");
     config_.target.n_seq = config.n_parallel;
     target_ = std::make_unique<Model>(config_.target);
     check_supported(*target_);
@@ -113,8 +121,8 @@ Engine::~Engine() { stop_scheduler(); }
 void Engine::start_scheduler_locked() {
     if (scheduler_running_) return;
     if (scheduler_.joinable()) scheduler_.join();  // it has left its loop: only exiting remains
-    scheduler_running_ = true;
     scheduler_ = std::thread([this] { schedule(); });
+    scheduler_running_ = true;
 }
 
 void Engine::stop_scheduler() {
@@ -183,7 +191,12 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
             return std::move(channel->result);
         }
         waiting_.push_back(channel);
-        start_scheduler_locked();
+        try {
+            start_scheduler_locked();
+        } catch (...) {
+            waiting_.pop_back();  // no thread to run it (the system is out of threads)
+            throw;
+        }
     }
     wake_.notify_all();
     return serve_caller(*channel, on_text);
@@ -192,9 +205,14 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
 GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallback& on_text) {
     std::exception_ptr callback_error;
     std::unique_lock<std::mutex> lock(channel.mutex);
+    const auto has_news = [&] { return channel.done || !channel.text.empty(); };
     while (true) {
-        channel.changed.wait_for(lock, kPollInterval,
-                                 [&] { return channel.done || !channel.text.empty(); });
+        // Once admitted, the scheduler watches the request's flag and deadline: no need to
+        // wake up for them (a wake-up takes a core from the decode's threads).
+        if (channel.admitted)
+            channel.changed.wait(lock, has_news);
+        else
+            channel.changed.wait_for(lock, kPollInterval, has_news);
         if (!channel.text.empty()) {
             std::string piece;
             piece.swap(channel.text);
@@ -243,7 +261,12 @@ void Engine::run_exclusive(std::function<void()> work, std::shared_ptr<CancelFla
         std::lock_guard<std::mutex> lock(queue_mutex_);
         if (closing_.load()) throw Cancelled("the engine is shutting down");
         jobs_.push_back(job);
-        start_scheduler_locked();
+        try {
+            start_scheduler_locked();
+        } catch (...) {
+            jobs_.pop_back();
+            throw;
+        }
     }
     wake_.notify_all();
     std::unique_lock<std::mutex> lock(job->mutex);
@@ -323,21 +346,24 @@ void Engine::schedule() {
             job->changed.notify_all();
             continue;
         }
-        admit_waiting();
-        if (!any_active()) continue;
         try {
-            step();
+            admit_waiting();
+            if (any_active()) step();
         } catch (const Cancelled&) {
             if (closing_.load()) break;
-            for (size_t s = 0; s < slots_.size(); ++s)
-                if (slots_[s]) retire(static_cast<int>(s), std::current_exception());
+            fail_all(std::current_exception());
         } catch (...) {
             // A shared decode failed: every request in it fails with its error.
-            for (size_t s = 0; s < slots_.size(); ++s)
-                if (slots_[s]) retire(static_cast<int>(s), std::current_exception());
+            fail_all(std::current_exception());
         }
     }
     stop_everything();
+    scheduler_id_.store(std::thread::id());
+}
+
+void Engine::fail_all(std::exception_ptr error) {
+    for (size_t s = 0; s < slots_.size(); ++s)
+        if (slots_[s]) retire(static_cast<int>(s), error);
 }
 
 void Engine::stop_everything() {
@@ -441,7 +467,17 @@ void Engine::start(const std::shared_ptr<RequestChannel>& channel, int seq) {
         if (channel->done) return;
     }
     const auto s = static_cast<size_t>(seq);
-    slots_[s] = std::make_unique<Generation>(parts(), channel, seq, policy());
+    try {
+        slots_[s] = std::make_unique<Generation>(parts(), channel, seq, policy());
+    } catch (...) {
+        {
+            std::lock_guard<std::mutex> lock(channel->mutex);
+            channel->error = std::current_exception();
+            channel->done = true;
+        }
+        channel->changed.notify_all();
+        return;
+    }
     try {
         slots_[s]->begin();
     } catch (...) {
@@ -468,7 +504,8 @@ void Engine::retire(int seq, std::exception_ptr error) {
             std::lock_guard<std::mutex> lock(policy_mutex_);
             policy_ = g->policy();
         }
-        if (g->policy().costs_disagree() && !any_active()) recalibrate_after(*g);
+        if (g->ended_normally() && g->policy().costs_disagree() && !any_active())
+            recalibrate_after(*g);
     }
     g->publish(error);
 }
@@ -506,7 +543,16 @@ void Engine::step() {
     // How many tokens each sequence drafts: together their rows fill at most one decode.
     const int row_cap = std::max(1, (n_batch - (prefilling_.empty() ? 0 : prefill_budget)) /
                                         std::max<int>(1, static_cast<int>(decoding_.size())));
-    for (Generation* g : decoding_) g->choose_k(row_cap);
+    // A look back decodes for one sequence alone: its failure is that request's.
+    for (Generation*& g : decoding_) {
+        try {
+            g->choose_k(row_cap);
+        } catch (...) {
+            retire(g->seq(), std::current_exception());
+            g = nullptr;
+        }
+    }
+    decoding_.erase(std::remove(decoding_.begin(), decoding_.end(), nullptr), decoding_.end());
     if (decoding_.size() > 1) plan_ks(decoding_, prefilling_.empty() ? 0 : prefill_budget);
 
     // Drafts: n-gram matches first, then the draft model, for every sequence in one go.
@@ -529,11 +575,17 @@ void Engine::step() {
     for (Generation* g : decoding_) g->add_verify_rows(target_batch_);
     prefill_budget = std::min(prefill_budget, n_batch - target_batch_.size());
     prefilled_.clear();
+    failed_.clear();
     for (Generation* g : prefilling_) {
         if (prefill_budget <= 0) break;
-        prefill_budget -= g->add_prefill(target_batch_, prefill_budget);
-        prefilled_.push_back(g);
+        try {
+            prefill_budget -= g->add_prefill(target_batch_, prefill_budget);
+            prefilled_.push_back(g);
+        } catch (...) {  // its draft's decode: the target rows it added are decoded anyway
+            failed_.emplace_back(g->seq(), std::current_exception());
+        }
     }
+    for (const auto& [seq, error] : failed_) retire(seq, error);
     if (target_batch_.size() == 0) return;
     const auto verify_start = Clock::now();
     decode(*target_, target_batch_);

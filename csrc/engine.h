@@ -124,6 +124,7 @@ class Engine {
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
     void retire(int seq, std::exception_ptr error = nullptr);
+    void fail_all(std::exception_ptr error);
     // Measures the costs again after a request whose steps found them off (idle engine only).
     void recalibrate_after(Generation& g);
     void stop_everything();
@@ -169,7 +170,9 @@ class Engine {
     std::vector<uint64_t> last_used_;                 // [seq]: when its request ended
     uint64_t clock_ = 0;
     std::vector<Generation*> decoding_, prefilling_, prefilled_;
-    std::vector<bool> by_model_;  // [i]: decoding_[i] drafts with the draft model this step
+    std::vector<bool> by_model_;
+    std::vector<std::pair<int, std::exception_ptr>>
+        failed_;  // [i]: decoding_[i] drafts with the draft model this step
     std::vector<ModelDrafter::Job> draft_jobs_;
 
     bool scheduler_running_ = false;  // queue_mutex_

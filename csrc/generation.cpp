@@ -225,6 +225,8 @@ void Generation::accept(double t_verify, bool shared) {
         StepOutcome outcome{static_cast<int>(k), n_accepted,       t_draft_step_,
                             t_step_verify,       draft_.caught_up, draft_.t_catch_up};
         outcome.shared = shared;
+        outcome.t_decode = t_verify;
+        outcome.context = static_cast<int>(base_);
         if (!greedy()) outcome.accept_chance = &accept_chances_;
         policy_.observe(outcome);
     }

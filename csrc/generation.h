@@ -151,6 +151,9 @@ class Generation {
     const std::vector<llama_token>& prompt() const { return req_.prompt; }
     CancelFlag* cancel_flag() const { return req_.cancel.get(); }
     void note_recalibrated() { result_.stats.recalibrated = true; }
+    bool ended_normally() const {
+        return result_.finish_reason == "stop" || result_.finish_reason == "length";
+    }
     // Ends the request with `reason` unless it has ended already.
     void finish(const char* reason) {
         if (result_.finish_reason.empty()) result_.finish_reason = reason;

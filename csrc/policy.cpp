@@ -39,6 +39,7 @@ void track_cost(double& estimate, double sample) {
 // noise between runs is 4-15 %), the costs are measured again.
 constexpr size_t kHealSteps = 12;
 constexpr double kHealFactor = 1.5;
+constexpr int kHealContext = 512;
 
 // In a greedy request, target-only must look this much faster than the current K before
 // drafting stops (choose() says why; a sampled request needs only the hysteresis).
@@ -404,8 +405,10 @@ void AdaptivePolicy::observe(const StepOutcome& step) {
     if (!calibrated()) return;
     decide_on_probe(step);
     if (step.shared) return;
-    if (static_cast<size_t>(k) < calibrated_verify_.size() && cost_ratios_.size() < kHealSteps)
-        cost_ratios_.push_back(step.t_verify / calibrated_verify_[static_cast<size_t>(k)]);
+    // The calibration decodes after a short context; a long one makes decodes dearer.
+    if (static_cast<size_t>(k) < calibrated_verify_.size() && cost_ratios_.size() < kHealSteps &&
+        step.context <= kHealContext && step.t_decode > 0.0)
+        cost_ratios_.push_back(step.t_decode / calibrated_verify_[static_cast<size_t>(k)]);
     if (step.caught_up == 1 || step.caught_up == 2)
         track_cost(draft_cost_[static_cast<size_t>(step.caught_up - 1)], step.t_catch_up);
     // After catching up, each draft token but the last is decoded on its own.

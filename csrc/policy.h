@@ -22,6 +22,8 @@ struct StepOutcome {
     // The target's decode held other sequences' rows too: its time is not the cost of k + 1
     // rows, and the draft's decodes were shared likewise, so only the acceptance is learnt.
     bool shared = false;
+    double t_decode = 0.0;  // seconds: the target's decode alone (t_verify less acceptance)
+    int context = 0;        // tokens the sequence held before the step
 };
 
 // What one step of a batch of sequences costs on this machine: the target's decode of all their

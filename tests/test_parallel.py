@@ -169,3 +169,8 @@ def test_ngram_drafting_in_parallel(deep_pair: models.ModelPair) -> None:
 def test_n_parallel_out_of_range(deep_pair: models.ModelPair, n: Any) -> None:
     with pytest.raises((ValueError, TypeError), match="n_parallel"):
         sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_parallel=n)
+
+
+def test_more_slots_than_one_decode_holds_is_refused(deep_pair: models.ModelPair) -> None:
+    with pytest.raises(ValueError, match="n_batch"):
+        sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_parallel=8, n_batch=4)
