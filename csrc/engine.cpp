@@ -538,7 +538,7 @@ void Engine::step() {
     if (decoding_.empty() && prefilling_.empty()) return;
     const int n_batch = target_->n_batch();
     // What a prompt may add to this step: a whole batch while nothing else generates.
-    int prefill_budget = decoding_.empty() ? n_batch : std::min(kPrefillChunk, n_batch / 2);
+    int prefill_budget = decoding_.empty() ? n_batch : std::min(prefill_chunk_, n_batch / 2);
 
     // How many tokens each sequence drafts: together their rows fill at most one decode.
     const int row_cap = std::max(1, (n_batch - (prefilling_.empty() ? 0 : prefill_budget)) /
@@ -591,6 +591,7 @@ void Engine::step() {
     decode(*target_, target_batch_);
     const double t_verify = seconds_since(verify_start);
     for (Generation* g : prefilled_) g->prefill_decoded(t_verify);
+    if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
 
     const bool shared = decoding_.size() + prefilled_.size() > 1;
     for (Generation* g : decoding_) {
@@ -602,6 +603,25 @@ void Engine::step() {
         }
         if (g->finished()) retire(g->seq());
     }
+}
+
+void Engine::size_prefill_chunk(double t_decode, bool with_prefill) {
+    // A prompt read alongside running streams may make their step at most kPrefillSlowdown
+    // times as long as a step without it: a chunk that costs more is cut down in proportion,
+    // one that costs much less doubles. On a CPU a decode's cost grows with its rows, so small
+    // chunks read a prompt about as fast as large ones; on a GPU it barely does, and chunks grow.
+    constexpr double kPrefillSlowdown = 2.0;
+    if (!with_prefill) {
+        plain_step_ = t_decode;
+        return;
+    }
+    if (plain_step_ <= 0.0) return;
+    const double slowdown = t_decode / plain_step_;
+    if (slowdown > kPrefillSlowdown)
+        prefill_chunk_ = std::max(kMinPrefillChunk,
+                                  static_cast<int>(prefill_chunk_ * kPrefillSlowdown / slowdown));
+    else if (slowdown < 0.75 * kPrefillSlowdown)
+        prefill_chunk_ = std::min(target_->n_batch(), 2 * prefill_chunk_);
 }
 
 void Engine::plan_ks(const std::vector<Generation*>& decoding, int prefill_rows) {

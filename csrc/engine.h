@@ -43,9 +43,11 @@ class Engine {
   public:
     static constexpr int kMaxDraft = 64;
     static constexpr int kMaxParallel = 64;
-    // While other slots generate, a prompt is read this many tokens per step, so that their
-    // streams go on (each chunk rides in their step's target decode).
-    static constexpr int kPrefillChunk = 128;
+    // While other slots generate, a prompt is read in chunks that ride in their steps' target
+    // decodes, sized so that the streams go on (size_prefill_chunk): starting at this many
+    // tokens, never fewer than kMinPrefillChunk.
+    static constexpr int kPrefillChunk = 32;
+    static constexpr int kMinPrefillChunk = 8;
 
     explicit Engine(const EngineConfig& config);
     ~Engine();
@@ -123,6 +125,8 @@ class Engine {
     void step();
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
+    // Learns the next prompt chunk's size from this step's decode time.
+    void size_prefill_chunk(double t_decode, bool with_prefill);
     void retire(int seq, std::exception_ptr error = nullptr);
     void fail_all(std::exception_ptr error);
     // Measures the costs again after a request whose steps found them off (idle engine only).
@@ -170,9 +174,11 @@ class Engine {
     std::vector<uint64_t> last_used_;                 // [seq]: when its request ended
     uint64_t clock_ = 0;
     std::vector<Generation*> decoding_, prefilling_, prefilled_;
+    // [i]: decoding_[i] drafts with the draft model this step
     std::vector<bool> by_model_;
-    std::vector<std::pair<int, std::exception_ptr>>
-        failed_;  // [i]: decoding_[i] drafts with the draft model this step
+    std::vector<std::pair<int, std::exception_ptr>> failed_;  // (seq, error) of this step
+    int prefill_chunk_ = kPrefillChunk;
+    double plain_step_ = 0.0;  // seconds: the last step's decode without prompt rows
     std::vector<ModelDrafter::Job> draft_jobs_;
 
     bool scheduler_running_ = false;  // queue_mutex_

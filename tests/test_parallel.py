@@ -148,7 +148,7 @@ def test_a_long_prompt_joins_running_streams_in_chunks(parallel: sd.SpeculativeD
     alone = [parallel.generate(**c) for c in calls]
     together = run_together(parallel, calls)
     # Read in several chunks, each riding in a step of the streams already running.
-    assert together[2].stats.n_prompt > 2 * _core.PREFILL_CHUNK
+    assert together[2].stats.n_prompt > 8 * _core.PREFILL_CHUNK
     assert together[0].stats.n_shared_steps > 0
     for a, t in zip(alone, together):
         assert_same_or_near_tie(t, a, NEAR_TIE_GAP)
