@@ -64,6 +64,16 @@ void end_unstarted(RequestChannel& channel, const char* reason) {
     channel.changed.notify_all();
 }
 
+// Ends a request that never reached a slot with `error`.
+void fail_unstarted(RequestChannel& channel, std::exception_ptr error) {
+    {
+        std::lock_guard<std::mutex> lock(channel.mutex);
+        channel.error = std::move(error);
+        channel.done = true;
+    }
+    channel.changed.notify_all();
+}
+
 }  // namespace
 
 // Work that needs both contexts to itself (measurements, calibration), run by the scheduler
@@ -454,12 +464,7 @@ void Engine::start(const std::shared_ptr<RequestChannel>& channel, int seq) {
         } catch (const TimedOut&) {
             end_unstarted(*channel, "timeout");
         } catch (...) {
-            {
-                std::lock_guard<std::mutex> lock(channel->mutex);
-                channel->error = std::current_exception();
-                channel->done = true;
-            }
-            channel->changed.notify_all();
+            fail_unstarted(*channel, std::current_exception());
         }
         job_cancel_.store(nullptr);
         job_deadline_.reset();
@@ -470,12 +475,7 @@ void Engine::start(const std::shared_ptr<RequestChannel>& channel, int seq) {
     try {
         slots_[s] = std::make_unique<Generation>(parts(), channel, seq, policy());
     } catch (...) {
-        {
-            std::lock_guard<std::mutex> lock(channel->mutex);
-            channel->error = std::current_exception();
-            channel->done = true;
-        }
-        channel->changed.notify_all();
+        fail_unstarted(*channel, std::current_exception());
         return;
     }
     try {

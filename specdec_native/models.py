@@ -276,11 +276,6 @@ def write_layer_skip(source: Path, out: Path, skip: int) -> Path:
     return _write_layers(source, out, plan, name)
 
 
-def write_dequantized(source: Path, out: Path) -> Path:
-    """The source model as f16/f32, so that target and draft are requantized alike."""
-    return write_layer_skip(source, out, 0)
-
-
 @dataclass(frozen=True)
 class ModelPair:
     target: Path
