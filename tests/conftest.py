@@ -1,4 +1,4 @@
-"""Shared fixtures: real models, fetched or built once per session (cached across sessions in
+"""Shared fixtures: real models, fetched or built once per test run (cached across runs in
 $SPECDEC_CACHE, default ~/.cache/specdec)."""
 
 from __future__ import annotations
