@@ -441,7 +441,6 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("running_on_this_thread", &Engine::running_on_this_thread)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 
-    m.attr("PREFILL_CHUNK") = Engine::kPrefillChunk;
     m.def("set_log_verbose", &install_log_handler, py::arg("verbose"),
           "Routes llama.cpp's log through specdec: printed when verbose, else kept for errors.");
     m.def("system_info", []() { return std::string(llama_print_system_info()); });

@@ -74,6 +74,16 @@ void fail_unstarted(RequestChannel& channel, std::exception_ptr error) {
     channel.changed.notify_all();
 }
 
+// Takes `item` out of `queue` if it is still there (the scheduler has not taken it).
+template <typename T>
+bool remove_queued(std::deque<std::shared_ptr<T>>& queue, const T* item) {
+    const auto it = std::find_if(queue.begin(), queue.end(),
+                                 [&](const auto& queued) { return queued.get() == item; });
+    if (it == queue.end()) return false;
+    queue.erase(it);
+    return true;
+}
+
 }  // namespace
 
 // Work that needs both contexts to itself (measurements, calibration), run by the scheduler
@@ -256,11 +266,7 @@ GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallbac
 
 bool Engine::withdraw(const RequestChannel* channel) {
     std::lock_guard<std::mutex> lock(queue_mutex_);
-    const auto it = std::find_if(waiting_.begin(), waiting_.end(),
-                                 [&](const auto& c) { return c.get() == channel; });
-    if (it == waiting_.end()) return false;
-    waiting_.erase(it);
-    return true;
+    return remove_queued(waiting_, channel);
 }
 
 void Engine::run_exclusive(std::function<void()> work, std::shared_ptr<CancelFlag> cancel) {
@@ -286,11 +292,7 @@ void Engine::run_exclusive(std::function<void()> work, std::shared_ptr<CancelFla
         bool withdrawn = false;
         {
             std::lock_guard<std::mutex> queue_lock(queue_mutex_);
-            const auto it = std::find(jobs_.begin(), jobs_.end(), job);
-            if (it != jobs_.end()) {
-                jobs_.erase(it);
-                withdrawn = true;
-            }
+            withdrawn = remove_queued(jobs_, job.get());
         }
         if (withdrawn) throw Cancelled("cancelled while waiting");
         lock.lock();
@@ -405,8 +407,7 @@ bool Engine::any_active() const {
 }
 
 bool Engine::needs_calibration(const GenerateRequest& request) const {
-    const bool can_draft = drafter_ != nullptr || config_.ngram;
-    if (!request.adaptive || !can_draft || request.max_tokens < Generation::kMinTokensToSpeculate)
+    if (!Generation::speculates_adaptively(request, drafter_ != nullptr || config_.ngram))
         return false;
     std::lock_guard<std::mutex> lock(policy_mutex_);
     return !policy_.calibrated();
@@ -543,6 +544,26 @@ void Engine::step() {
     // How many tokens each sequence drafts: together their rows fill at most one decode.
     const int row_cap = std::max(1, (n_batch - (prefilling_.empty() ? 0 : prefill_budget)) /
                                         std::max<int>(1, static_cast<int>(decoding_.size())));
+    choose_ks(row_cap);
+    if (decoding_.size() > 1) plan_ks(decoding_, prefilling_.empty() ? 0 : prefill_budget);
+    draft_all();
+
+    // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
+    target_batch_.clear();
+    for (Generation* g : decoding_) g->add_verify_rows(target_batch_);
+    add_prompt_chunks(std::min(prefill_budget, n_batch - target_batch_.size()));
+    if (target_batch_.size() == 0) return;
+    const auto verify_start = Clock::now();
+    decode(*target_, target_batch_);
+    const double t_verify = seconds_since(verify_start);
+    for (Generation* g : prefilled_) g->prefill_decoded(t_verify);
+    // After the decode: their rows in it had to be decoded in place.
+    for (const auto& [seq, error] : failed_) retire(seq, error);
+    if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
+    accept_all(t_verify, decoding_.size() + prefilled_.size() > 1);
+}
+
+void Engine::choose_ks(int row_cap) {
     // A look back decodes for one sequence alone: its failure is that request's.
     for (Generation*& g : decoding_) {
         try {
@@ -553,9 +574,10 @@ void Engine::step() {
         }
     }
     decoding_.erase(std::remove(decoding_.begin(), decoding_.end(), nullptr), decoding_.end());
-    if (decoding_.size() > 1) plan_ks(decoding_, prefilling_.empty() ? 0 : prefill_budget);
+}
 
-    // Drafts: n-gram matches first, then the draft model, for every sequence in one go.
+void Engine::draft_all() {
+    // N-gram matches first, then the draft model, for every sequence in one go.
     draft_jobs_.clear();
     by_model_.assign(decoding_.size(), false);
     for (size_t i = 0; i < decoding_.size(); ++i) {
@@ -565,35 +587,27 @@ void Engine::step() {
             by_model_[i] = true;
         }
     }
-    const auto draft_start = Clock::now();
+    const auto start = Clock::now();
     if (!draft_jobs_.empty()) drafter_->propose(draft_jobs_);
-    const double t_draft = seconds_since(draft_start);
-    for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model_[i] ? t_draft : 0);
+    const double seconds = seconds_since(start);
+    for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model_[i] ? seconds : 0);
+}
 
-    // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
-    target_batch_.clear();
-    for (Generation* g : decoding_) g->add_verify_rows(target_batch_);
-    prefill_budget = std::min(prefill_budget, n_batch - target_batch_.size());
+void Engine::add_prompt_chunks(int budget) {
     prefilled_.clear();
     failed_.clear();
     for (Generation* g : prefilling_) {
-        if (prefill_budget <= 0) break;
+        if (budget <= 0) break;
         try {
-            prefill_budget -= g->add_prefill(target_batch_, prefill_budget);
+            budget -= g->add_prefill(target_batch_, budget);
             prefilled_.push_back(g);
-        } catch (...) {  // its draft's decode: the target rows it added are decoded anyway
+        } catch (...) {  // its draft's decode failed
             failed_.emplace_back(g->seq(), std::current_exception());
         }
     }
-    for (const auto& [seq, error] : failed_) retire(seq, error);
-    if (target_batch_.size() == 0) return;
-    const auto verify_start = Clock::now();
-    decode(*target_, target_batch_);
-    const double t_verify = seconds_since(verify_start);
-    for (Generation* g : prefilled_) g->prefill_decoded(t_verify);
-    if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
+}
 
-    const bool shared = decoding_.size() + prefilled_.size() > 1;
+void Engine::accept_all(double t_verify, bool shared) {
     for (Generation* g : decoding_) {
         try {
             g->accept(t_verify, shared);
@@ -625,24 +639,25 @@ void Engine::size_prefill_chunk(double t_decode, bool with_prefill) {
 }
 
 void Engine::plan_ks(const std::vector<Generation*>& decoding, int prefill_rows) {
-    const BatchCosts costs = batch_costs();
-    if (costs.empty()) return;
-    std::vector<std::vector<double>> expected;
-    std::vector<int> caps;
-    std::vector<Generation*> planned;
+    // batch_costs_ is written only on this thread (calibration): read without a copy.
+    if (batch_costs_.empty()) return;
+    plan_gens_.clear();
+    plan_caps_.clear();
     int other_rows = prefill_rows;
     for (Generation* g : decoding) {
         if (!g->adaptive()) {
             other_rows += g->k() + 1;
             continue;
         }
-        planned.push_back(g);
-        caps.push_back(g->k());
-        expected.push_back(g->expected_tokens(g->k()));
+        plan_gens_.push_back(g);
+        plan_caps_.push_back(g->k());
     }
-    if (planned.empty()) return;
-    const std::vector<int> ks = plan_batch(expected, caps, other_rows, costs);
-    for (size_t i = 0; i < planned.size(); ++i) planned[i]->limit_k(ks[i]);
+    if (plan_gens_.empty()) return;
+    plan_expected_.resize(plan_gens_.size());
+    for (size_t i = 0; i < plan_gens_.size(); ++i)
+        plan_gens_[i]->expected_tokens(plan_caps_[i], plan_expected_[i]);
+    plan_batch(plan_expected_, plan_caps_, other_rows, batch_costs_, plan_k_);
+    for (size_t i = 0; i < plan_gens_.size(); ++i) plan_gens_[i]->limit_k(plan_k_[i]);
 }
 
 // ---------------------------------------------------------------- decodes and measurements

@@ -123,6 +123,11 @@ class Engine {
     bool needs_calibration(const GenerateRequest& request) const;
     // One step of every slot: prompt chunks, drafts, one target decode, acceptance.
     void step();
+    // The phases of a step, over decoding_ and prefilling_.
+    void choose_ks(int row_cap);
+    void draft_all();
+    void add_prompt_chunks(int budget);  // into target_batch_
+    void accept_all(double t_verify, bool shared);
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
     // Learns the next prompt chunk's size from this step's decode time.
@@ -177,6 +182,10 @@ class Engine {
     // [i]: decoding_[i] drafts with the draft model this step
     std::vector<bool> by_model_;
     std::vector<std::pair<int, std::exception_ptr>> failed_;  // (seq, error) of this step
+    // plan_ks's: the adaptive sequences, their K caps, expected tokens and planned K
+    std::vector<Generation*> plan_gens_;
+    std::vector<int> plan_caps_, plan_k_;
+    std::vector<std::vector<double>> plan_expected_;
     int prefill_chunk_ = kPrefillChunk;
     double plain_step_ = 0.0;  // seconds: the last step's decode without prompt rows
     std::vector<ModelDrafter::Job> draft_jobs_;

@@ -26,9 +26,8 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
     const bool can_draft = parts_.drafter != nullptr || parts_.ngram;
     if (parts_.ngram) ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
     if (!can_draft) n_draft_ = 0;
-    adaptive_ = req_.adaptive && can_draft;
-    if (adaptive_ && req_.max_tokens < kMinTokensToSpeculate) {
-        adaptive_ = false;
+    adaptive_ = speculates_adaptively(req_, can_draft);
+    if (req_.adaptive && can_draft && !adaptive_) {
         n_draft_ = 0;
         stats().fallback_reason = "short request";
     }

@@ -102,6 +102,11 @@ class Generation {
   public:
     // Requests shorter than this are not worth drafting for in adaptive mode.
     static constexpr int kMinTokensToSpeculate = 4;
+    // Whether `auto` chooses this request's K (it asks for it, something can draft, and it is
+    // long enough to be worth it).
+    static bool speculates_adaptively(const GenerateRequest& r, bool can_draft) {
+        return r.adaptive && can_draft && r.max_tokens >= kMinTokensToSpeculate;
+    }
 
     Generation(const EngineParts& parts, std::shared_ptr<RequestChannel> channel, llama_seq_id seq,
                const AdaptivePolicy& policy);
@@ -129,11 +134,14 @@ class Generation {
     // or the policy's choice (which may first look back at the text committed without it).
     int choose_k(int row_cap);
     // The policy's expected tokens of a step drafting k = 0..cap tokens, for batch planning.
-    std::vector<double> expected_tokens(int cap) const { return policy_.expected_tokens(cap); }
+    void expected_tokens(int cap, std::vector<double>& out) const {
+        policy_.expected_tokens(cap, out);
+    }
     // Lowers this step's K (a batch planner's decision).
     void limit_k(int k) { k_ = std::min(k_, k); }
     int k() const { return k_; }
-    // Drafts from n-gram matches, when configured; false when it found none (or k is 0).
+    // Starts this step's draft (the last one forgotten) from n-gram matches, when configured;
+    // false when it found none (or k is 0).
     bool draft_by_ngram();
     // This sequence's part in the batched model draft (k > 0 and no n-gram draft).
     ModelDrafter::Job model_job();

@@ -221,15 +221,14 @@ bool AdaptivePolicy::costs_disagree() const {
     return typical > kHealFactor || typical < 1.0 / kHealFactor;
 }
 
-std::vector<double> AdaptivePolicy::expected_tokens(int cap) const {
+void AdaptivePolicy::expected_tokens(int cap, std::vector<double>& out) const {
     const std::vector<double> a = acceptance();
-    std::vector<double> tokens{1.0};
+    out.assign(1, 1.0);
     double all_accepted = 1.0;
     for (int k = 1; k <= cap && k <= static_cast<int>(a.size()); ++k) {
         all_accepted *= a[static_cast<size_t>(k - 1)];
-        tokens.push_back(tokens.back() + all_accepted);
+        out.push_back(out.back() + all_accepted);
     }
-    return tokens;
 }
 
 int AdaptivePolicy::choose(int cap, std::string* why) {
@@ -461,10 +460,10 @@ double BatchCosts::step(const std::vector<int>& k, int other_rows) const {
     return seconds;
 }
 
-std::vector<int> plan_batch(const std::vector<std::vector<double>>& expected,
-                            const std::vector<int>& caps, int other_rows, const BatchCosts& costs) {
+void plan_batch(const std::vector<std::vector<double>>& expected, const std::vector<int>& caps,
+                int other_rows, const BatchCosts& costs, std::vector<int>& k) {
     const size_t n = expected.size();
-    std::vector<int> k(n, 0);
+    k.assign(n, 0);
     auto rate = [&](const std::vector<int>& ks) {
         double tokens = 0.0;
         for (size_t i = 0; i < n; ++i) tokens += expected[i][static_cast<size_t>(ks[i])];
@@ -492,7 +491,7 @@ std::vector<int> plan_batch(const std::vector<std::vector<double>>& expected,
             }
             k[i] = was;
         }
-        if (best_i == n) return k;
+        if (best_i == n) return;
         k[best_i] = best_k;
     }
 }

@@ -54,8 +54,9 @@ class BatchCosts {
 // makes the target's decode dearer per row, K comes down, to 0 for all when speculating no
 // longer pays. expected[i][k] (k = 0..caps[i]) is sequence i's expected tokens from a step
 // drafting k.
-std::vector<int> plan_batch(const std::vector<std::vector<double>>& expected,
-                            const std::vector<int>& caps, int other_rows, const BatchCosts& costs);
+// Writes the K's into `k`.
+void plan_batch(const std::vector<std::vector<double>>& expected, const std::vector<int>& caps,
+                int other_rows, const BatchCosts& costs, std::vector<int>& k);
 
 // Picks K to maximise expected committed tokens per second,
 //     E[tokens](K) / (t_draft(K) + t_verify(K + 1)),
@@ -146,8 +147,8 @@ class AdaptivePolicy {
 
     // Expected tokens per second for K = 0..cap (cap < the number of verify costs).
     std::vector<double> expected_rates(int cap) const;
-    // Expected committed tokens of a step drafting K = 0..cap tokens.
-    std::vector<double> expected_tokens(int cap) const;
+    // Expected committed tokens of a step drafting K = 0..cap tokens, into `out`.
+    void expected_tokens(int cap, std::vector<double>& out) const;
     std::vector<double> acceptance() const;  // per draft position, as the policy estimates it
     // The running cost estimates: calibrated, then updated by each step that used them.
     const std::vector<double>& verify_costs() const { return verify_cost_; }
