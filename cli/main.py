@@ -442,7 +442,7 @@ def _writable(path: Path | None, option: str) -> None:
 
 @cli.command()
 @click.argument("target", required=False, type=click.Path(path_type=Path))
-@click.option("--draft", type=click.Path(path_type=Path), help="Draft model GGUF.")
+@click.option("--draft", type=click.Path(path_type=Path), help="Draft model GGUF, or 'ngram'.")
 @click.option(
     "-k",
     "--ks",
@@ -483,6 +483,19 @@ def _writable(path: Path | None, option: str) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write a PNG (needs matplotlib).",
 )
+@click.option(
+    "--vs-llama-cpp",
+    is_flag=True,
+    help="Run llama.cpp's llama-speculative-simple on the same prompts, side by side "
+    "(build it with scripts/build_llama_cpp_tools.sh).",
+)
+@click.option(
+    "--llama-cpp-bin",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="SPECDEC_LLAMA_CPP_BIN",
+    help="Directory holding llama-speculative-simple.  [default: where "
+    "build_llama_cpp_tools.sh puts it]",
+)
 @user_errors
 def bench(
     target: Path | None,
@@ -499,10 +512,14 @@ def bench(
     n_gpu_layers: int,
     json_out: Path | None,
     plot_out: Path | None,
+    vs_llama_cpp: bool,
+    llama_cpp_bin: Path | None,
 ) -> None:
-    """Target-only vs speculative decoding over a K sweep, on the same prompts, in one process."""
+    """Target-only vs speculative decoding over a K sweep, on the same prompts, in one process;
+    with --vs-llama-cpp, beside llama.cpp's own speculative decoding."""
     from specdec_native import bench as b
     from specdec_native import models as m
+    from specdec_native import vs_llama_cpp as vs
 
     k_values, temperatures = _k_list(ks), _float_list(temps)
     if repeats < 1 or max_tokens < 1:
@@ -525,6 +542,31 @@ def bench(
                 f"unknown prompt(s): {', '.join(unknown)}; have {', '.join(prompts)}"
             )
         prompts = {x: prompts[x] for x in names}
+    if vs_llama_cpp:
+        if draft is None:
+            raise click.UsageError("--vs-llama-cpp needs a draft model or --draft ngram")
+        comparison = vs.compare(
+            target,
+            draft,
+            prompts=prompts,
+            ks=k_values,
+            temperatures=temperatures,
+            max_tokens=max_tokens,
+            repeats=repeats,
+            seed=seed,
+            n_ctx=n_ctx,
+            n_threads=n_threads,
+            n_gpu_layers=n_gpu_layers,
+            tools=vs.find_tools(llama_cpp_bin),
+            progress=progress,
+        )
+        click.echo(vs.format_summary(comparison))
+        if json_out:
+            json_out.write_text(json.dumps(comparison.as_dict(), indent=1))
+        if plot_out:
+            vs.plot(comparison, plot_out)
+            progress(f"plot written to {plot_out}")
+        return
     report = b.run_bench(
         target,
         draft,

@@ -49,6 +49,7 @@ py::dict stats_dict(const Stats& s) {
     d["accepted_by_model"] = s.accepted_by[0];
     d["drafted_by_ngram"] = s.drafted_by[1];
     d["accepted_by_ngram"] = s.accepted_by[1];
+    d["n_argmax_drafted"] = s.n_argmax_drafted;
     d["accepted_at"] = s.accepted_at;
     d["proposed_at"] = s.proposed_at;
     d["t_queue"] = s.t_queue;
@@ -78,6 +79,13 @@ Distribution dense_distribution(const std::vector<float>& probs) {
     for (size_t i = 0; i < probs.size(); ++i)
         if (probs[i] > 0) d.support.push_back(static_cast<int32_t>(i));
     return d;
+}
+
+DraftRule parse_draft_rule(const std::string& rule) {
+    if (rule == "auto") return DraftRule::kAuto;
+    if (rule == "sample") return DraftRule::kSample;
+    if (rule == "argmax") return DraftRule::kArgmax;
+    throw py::value_error("draft_rule must be 'auto', 'sample' or 'argmax', got '" + rule + "'");
 }
 
 void require_calibrated(const AdaptivePolicy& p) {
@@ -331,7 +339,8 @@ PYBIND11_MODULE(_core, m) {
                int top_k, float top_p, float min_p, uint64_t seed,
                const std::vector<std::string>& stop, int n_draft, const py::object& on_text,
                bool adaptive, float draft_p_min, double timeout,
-               const std::shared_ptr<CancelFlag>& cancel, bool wrong_residual_for_tests) {
+               const std::shared_ptr<CancelFlag>& cancel, bool wrong_residual_for_tests,
+               const std::string& draft_rule) {
                 GenerateRequest r;
                 r.prompt = prompt;
                 r.max_tokens = max_tokens;
@@ -344,13 +353,14 @@ PYBIND11_MODULE(_core, m) {
                 r.timeout = timeout;
                 r.cancel = cancel;
                 r.wrong_residual_for_tests = wrong_residual_for_tests;
+                r.draft_rule = parse_draft_rule(draft_rule);
                 return run_generate(e, std::move(r), on_text);
             },
             py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature"), py::arg("top_k"),
             py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("stop"),
             py::arg("n_draft"), py::arg("on_text") = py::none(), py::arg("adaptive") = false,
             py::arg("draft_p_min") = 0.0f, py::arg("timeout") = 0.0, py::arg("cancel") = nullptr,
-            py::arg("wrong_residual_for_tests") = false)
+            py::arg("wrong_residual_for_tests") = false, py::arg("draft_rule") = "auto")
         .def(
             "calibrate",
             [](Engine& e, const std::vector<int32_t>& context) {

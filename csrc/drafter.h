@@ -18,6 +18,9 @@ struct Draft {
     // q for each token when sampling; nullptr marks a point-mass draft (q = 1 on the token).
     // Pointers stay valid until the next propose().
     std::vector<const Distribution*> q;
+    // Sampling: the draft model drafted q's argmax, a point mass; q is kept to measure both
+    // acceptance rules.
+    bool point_mass = false;
     // Tokens the drafter decoded to catch up with the committed text before drafting: one or
     // two in a step that follows a draft, more after steps without one.
     int caught_up = 0;

@@ -89,6 +89,11 @@ int Generation::choose_k(int row_cap) {
         k_ = std::max(0, std::min(n_draft_, cap));
         return k_;
     }
+    if (choose_copy(cap)) return k_;
+    if (!parts_.drafter) {  // n-gram only, and nothing worth copying
+        k_ = 0;
+        return k_;
+    }
     std::string why;
     int k = policy_.choose(cap, &why);
     if (k == AdaptivePolicy::kLookBack) {
@@ -101,6 +106,42 @@ int Generation::choose_k(int row_cap) {
     }
     k_ = std::max(k, 0);
     return k_;
+}
+
+// Under `auto`, an n-gram match is drafted when copying it is expected to commit tokens faster
+// than target-only and than the draft model's best K: each step uses the better proposal.
+bool Generation::choose_copy(int cap) {
+    copying_ = false;
+    if (!ngram_ || !policy_.calibrated() || cap <= 0) return false;
+    match_ = ngram_->match(seq_);
+    if (!match_.found()) return false;
+    copy_.expected_tokens(match_.length, cap, copy_expected_);
+    int best = 0;
+    double best_rate = 1.0 / policy_.verify_cost(1);
+    for (int k = 1; k <= cap; ++k) {
+        const double rate = copy_expected_[static_cast<size_t>(k)] / policy_.verify_cost(k + 1);
+        if (rate > best_rate) {
+            best = k;
+            best_rate = rate;
+        }
+    }
+    if (best == 0) return false;
+    if (parts_.drafter) {
+        const int model_cap =
+            std::min({cap, policy_.max_k(), static_cast<int>(policy_.verify_costs().size()) - 1});
+        for (double rate : policy_.expected_rates(model_cap))
+            if (rate >= best_rate) return false;
+    }
+    k_ = best;
+    copying_ = true;
+    return true;
+}
+
+void Generation::expected_tokens(int cap, std::vector<double>& out) const {
+    if (copying_)
+        copy_.expected_tokens(match_.length, cap, out);
+    else
+        policy_.expected_tokens(cap, out);
 }
 
 // Greedy requests only: a look back at sampled text (unbiased estimates of each token's chance
@@ -139,11 +180,26 @@ bool Generation::draft_by_ngram() {
     draft_.t_catch_up = 0.0;
     draft_.non_finite = false;
     t_draft_step_ = 0.0;
-    if (k_ == 0 || !ngram_) return false;
+    if (k_ == 0 || !ngram_ || (adaptive_ && !copying_)) return false;
     const auto start = Clock::now();
-    ngram_->propose(seq_, k_, draft_);
+    if (copying_)
+        NgramDrafter::propose(seq_, match_, k_, draft_);
+    else
+        ngram_->propose(seq_, k_, draft_);
     t_draft_step_ = seconds_since(start);
     return !draft_.tokens.empty();
+}
+
+bool Generation::drafts_argmax() const {
+    switch (req_.draft_rule) {
+        case DraftRule::kSample:
+            return false;
+        case DraftRule::kArgmax:
+            return true;
+        case DraftRule::kAuto:
+            break;
+    }
+    return chance_argmax_ > chance_sampled_;
 }
 
 ModelDrafter::Job Generation::model_job() {
@@ -154,6 +210,7 @@ ModelDrafter::Job Generation::model_job() {
     job.p_min = req_.draft_p_min;
     job.sampling = &req_.sampling;
     job.rng = &rng_;
+    job.argmax = !greedy() && drafts_argmax();
     job.out = &draft_;
     return job;
 }
@@ -163,6 +220,7 @@ void Generation::drafted(double seconds) {
     if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
     stats().count_proposal(static_cast<int>(draft_.tokens.size()));
     stats().drafted_by[static_cast<int>(draft_.source)] += static_cast<int>(draft_.tokens.size());
+    if (draft_.point_mass) stats().n_argmax_drafted += static_cast<int>(draft_.tokens.size());
     stats().t_draft += t_draft_step_;
 }
 
@@ -227,7 +285,12 @@ void Generation::accept(double t_verify, bool shared) {
         outcome.t_decode = t_verify;
         outcome.context = static_cast<int>(base_);
         if (!greedy()) outcome.accept_chance = &accept_chances_;
-        policy_.observe(outcome);
+        if (copying_) {
+            copy_.observe(match_.length, outcome.k, n_accepted, outcome.accept_chance);
+            policy_.observe_verify_cost(outcome);
+        } else {
+            policy_.observe(outcome);
+        }
     }
     // Positions at or past the first rejected draft hold keys/values of tokens that were not
     // committed.
@@ -245,12 +308,20 @@ llama_token Generation::greedy_verdict(size_t row) {
 llama_token Generation::sampled_verdict(size_t row, llama_token x) {
     const Distribution& p = target_distribution(row);
     const Distribution* q = draft_.q[row];
-    // Only the adaptive policy reads it, and it is a pass over q's support per position.
-    if (adaptive_) accept_chances_.push_back(q ? acceptance_chance(p, *q) : double(p[x]));
-    const bool ok = q ? accept_draft(p, *q, x, rng_) : accept_point_draft(p, x, rng_);
+    // A point mass: an n-gram draft, or the draft model's argmax (x is then q's argmax).
+    const bool point = !q || draft_.point_mass;
+    // Each a pass over q's support per position: only when the policy or the rule reads them.
+    double sampled = 0.0;
+    if (q && (adaptive_ || req_.draft_rule == DraftRule::kAuto)) {
+        sampled = acceptance_chance(p, *q);
+        chance_sampled_ += sampled;
+        chance_argmax_ += p[point ? x : most_likely(*q)];
+    }
+    if (adaptive_) accept_chances_.push_back(point ? double(p[x]) : sampled);
+    const bool ok = point ? accept_point_draft(p, x, rng_) : accept_draft(p, *q, x, rng_);
     if (ok) return x;
     if (req_.wrong_residual_for_tests) return sample(p, rng_);
-    return q ? sample_residual(p, *q, rng_) : sample_residual_point(p, x, rng_);
+    return point ? sample_residual_point(p, x, rng_) : sample_residual(p, *q, rng_);
 }
 
 // The token after an all-accepted draft (the bonus), or the only token of a K=0 step.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "batch.h"
+#include "copy_policy.h"
 #include "drafter.h"
 #include "model.h"
 #include "model_drafter.h"
@@ -35,6 +36,13 @@ struct CancelFlag {
     std::atomic<bool> requested{false};
 };
 
+// Sampling with a draft model: drafts sampled from q and accepted with min(1, p/q) accept
+// sum min(p, q) per position; q's argmax as a point mass accepted with p(x) accepts
+// p(argmax q). Both are exact, and which accepts more depends on the pair and the text. kAuto
+// drafts each step by the rule this request's verified positions so far favour (both chances
+// are known at every position verified); before any, by sampling.
+enum class DraftRule { kAuto = 0, kSample = 1, kArgmax = 2 };
+
 struct GenerateRequest {
     std::vector<llama_token> prompt;
     int max_tokens = 128;
@@ -44,7 +52,8 @@ struct GenerateRequest {
     int n_draft = -1;          // -1: the engine's default
     bool adaptive = false;     // choose K each step from measured costs (n_draft is then ignored)
     float draft_p_min = 0.0f;  // stop drafting when the draft's probability falls below this
-    double timeout = 0.0;      // seconds from the call after which it ends ("timeout"); 0: never
+    DraftRule draft_rule = DraftRule::kAuto;
+    double timeout = 0.0;  // seconds from the call after which it ends ("timeout"); 0: never
     std::shared_ptr<CancelFlag> cancel;  // may be null
     // Test-only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
     // wrong rule, so the distribution tests can show that they catch it.
@@ -133,10 +142,9 @@ class Generation {
     // The K this step wants, at most `row_cap` - 1 (the batch's room for this sequence): fixed,
     // or the policy's choice (which may first look back at the text committed without it).
     int choose_k(int row_cap);
-    // The policy's expected tokens of a step drafting k = 0..cap tokens, for batch planning.
-    void expected_tokens(int cap, std::vector<double>& out) const {
-        policy_.expected_tokens(cap, out);
-    }
+    // The expected tokens of a step drafting k = 0..cap tokens as this step would draft them
+    // (a copy or the draft model), for batch planning.
+    void expected_tokens(int cap, std::vector<double>& out) const;
     // Lowers this step's K (a batch planner's decision).
     void limit_k(int k) { k_ = std::min(k_, k); }
     int k() const { return k_; }
@@ -171,6 +179,7 @@ class Generation {
     Stats& stats() { return result_.stats; }
     bool greedy() const { return req_.sampling.greedy(); }
     int draft_cap() const;
+    bool choose_copy(int cap);
     bool looks_back() const;
     void look_back();
     void drop_drafting(const std::string& why);
@@ -178,6 +187,7 @@ class Generation {
     const Distribution& target_distribution(size_t row);
     llama_token greedy_verdict(size_t row);
     llama_token sampled_verdict(size_t row, llama_token x);
+    bool drafts_argmax() const;
     llama_token target_token(size_t row);
     int commit(llama_token token, float margin);
     void emit(const std::string& text);
@@ -190,6 +200,10 @@ class Generation {
     Rng rng_;
     TextStream text_;
     std::optional<NgramDrafter> ngram_;
+    CopyPolicy copy_;
+    NgramMatch match_;                   // this step's, when copying
+    bool copying_ = false;               // this step drafts an n-gram copy chosen by copy_
+    std::vector<double> copy_expected_;  // copy_'s expected tokens for K = 0..cap
     int n_draft_;
     bool adaptive_ = false;
     bool drafting_dropped_ = false;
@@ -205,7 +219,11 @@ class Generation {
     std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
     std::vector<float> step_margins_;
     std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
-    size_t unseen_from_ = 0;              // seq_[unseen_from_..]: committed without a draft
+    // Sampling with a draft model: over the positions verified, the summed chances of
+    // acceptance of a sampled draft (sum min(p, q)) and of q's argmax (p(argmax q)).
+    double chance_sampled_ = 0.0;
+    double chance_argmax_ = 0.0;
+    size_t unseen_from_ = 0;  // seq_[unseen_from_..]: committed without a draft
     std::vector<double> hindsight_;
     Distribution p_;
     SamplingWorkspace workspace_;

@@ -93,7 +93,7 @@ bool ModelDrafter::draft_next(Job& job, int row) {
         if (qs.size() <= i) qs.resize(std::max(i + 1, static_cast<size_t>(max_draft_)));
         Distribution& dist = qs[i];
         make_distribution(logits, n_vocab, *job.sampling, workspace_, dist);
-        token = sample(dist, *job.rng);
+        token = job.argmax ? most_likely(dist) : sample(dist, *job.rng);
         confidence = dist[token];
         q = &dist;
     }
@@ -110,6 +110,7 @@ void ModelDrafter::propose(std::vector<Job>& jobs) {
         out.tokens.clear();
         out.q.clear();
         out.source = DraftSource::kModel;
+        out.point_mass = job.argmax && !job.sampling->greedy();
         out.non_finite = false;
     }
     const auto start = std::chrono::steady_clock::now();

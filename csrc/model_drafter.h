@@ -25,6 +25,7 @@ class ModelDrafter {
         float p_min = 0.0f;  // stop once the draft's own probability falls below this
         const SamplingParams* sampling = nullptr;
         Rng* rng = nullptr;
+        bool argmax = false;  // sampling: draft q's argmax as a point mass instead of x ~ q
         Draft* out = nullptr;
     };
 

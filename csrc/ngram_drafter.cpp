@@ -49,26 +49,43 @@ long NgramDrafter::find_continuation(const std::vector<llama_token>& tokens, int
     return static_cast<long>(p);
 }
 
-void NgramDrafter::propose(const std::vector<llama_token>& committed, int k, Draft& out) {
-    out.tokens.clear();
-    out.q.clear();
-    out.source = DraftSource::kNgram;
-    out.caught_up = 0;
-    out.t_catch_up = 0.0;
+NgramMatch NgramDrafter::match(const std::vector<llama_token>& committed) {
     // Continuations must lie before the last token, or the suffix would match itself.
     index_up_to(committed, committed.size());
     for (int n = ngram_max_; n >= ngram_min_; --n) {
         const long p = find_continuation(committed, n);
         if (p < 0) continue;
-        // Past the end of the committed text, the continuation runs on into the draft itself:
-        // a repeating pattern keeps repeating.
-        const size_t len = committed.size();
-        for (size_t j = 0; j < static_cast<size_t>(k); ++j) {
-            const size_t src = static_cast<size_t>(p) + j;
-            out.tokens.push_back(src < len ? committed[src] : out.tokens[src - len]);
-            out.q.push_back(nullptr);
-        }
-        return;
+        // The key's length is a floor: the occurrence may match further back.
+        int length = n;
+        const long end = static_cast<long>(committed.size());
+        while (length < kMaxMatchLength && p - length - 1 >= 0 &&
+               committed[static_cast<size_t>(p - length - 1)] ==
+                   committed[static_cast<size_t>(end - length - 1)])
+            ++length;
+        return {p, length};
+    }
+    return {};
+}
+
+void NgramDrafter::propose(const std::vector<llama_token>& committed, int k, Draft& out) {
+    propose(committed, match(committed), k, out);
+}
+
+void NgramDrafter::propose(const std::vector<llama_token>& committed, NgramMatch m, int k,
+                           Draft& out) {
+    out.tokens.clear();
+    out.q.clear();
+    out.source = DraftSource::kNgram;
+    out.caught_up = 0;
+    out.t_catch_up = 0.0;
+    if (!m.found()) return;
+    // Past the end of the committed text, the continuation runs on into the draft itself:
+    // a repeating pattern keeps repeating.
+    const size_t len = committed.size();
+    for (size_t j = 0; j < static_cast<size_t>(k); ++j) {
+        const size_t src = static_cast<size_t>(m.from) + j;
+        out.tokens.push_back(src < len ? committed[src] : out.tokens[src - len]);
+        out.q.push_back(nullptr);
     }
 }
 

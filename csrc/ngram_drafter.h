@@ -1,6 +1,6 @@
 // A model-free drafter: finds the most recent earlier occurrence of the sequence's last n tokens
-// (n from ngram_max down to ngram_min) in the prompt + generated text, and proposes the tokens
-// that followed it. Costs a few hash lookups per step.
+// (n from ngram_max down to ngram_min: long keys first) in the prompt + generated text, and
+// proposes the tokens that followed it. Costs a few hash lookups per step.
 #pragma once
 
 #include <cstdint>
@@ -11,13 +11,29 @@
 
 namespace specdec {
 
+// Where the text's end repeats earlier text: the continuation starts at committed[from], and
+// the `length` tokens before it equal the text's last `length` (length >= the key that found it).
+struct NgramMatch {
+    long from = -1;  // -1: no match
+    int length = 0;
+    bool found() const { return from >= 0; }
+};
+
 class NgramDrafter {
   public:
+    // How far back a match is measured: past this, a longer match tells little more.
+    static constexpr int kMaxMatchLength = 64;
+
     NgramDrafter(int ngram_min, int ngram_max);
 
-    // Proposes up to k point-mass drafts (q = 1 on each token) to follow `committed` (prompt +
-    // generated so far, only ever growing); none when there is no match.
+    // The match a draft would continue, for `committed` (prompt + generated so far, only ever
+    // growing).
+    NgramMatch match(const std::vector<llama_token>& committed);
+    // Proposes up to k point-mass drafts (q = 1 on each token) to follow `committed`; none when
+    // there is no match.
     void propose(const std::vector<llama_token>& committed, int k, Draft& out);
+    // The same, continuing a match found on this `committed`.
+    static void propose(const std::vector<llama_token>& committed, NgramMatch m, int k, Draft& out);
 
   private:
     // Adds every n-gram that ends before the last token, so each maps to a known continuation.

@@ -404,16 +404,33 @@ void AdaptivePolicy::observe(const StepOutcome& step) {
     if (!calibrated()) return;
     decide_on_probe(step);
     if (step.shared) return;
-    // The calibration decodes after a short context; a long one makes decodes dearer.
-    if (static_cast<size_t>(k) < calibrated_verify_.size() && cost_ratios_.size() < kHealSteps &&
-        step.context <= kHealContext && step.t_decode > 0.0)
-        cost_ratios_.push_back(step.t_decode / calibrated_verify_[static_cast<size_t>(k)]);
     if (step.caught_up == 1 || step.caught_up == 2)
         track_cost(draft_cost_[static_cast<size_t>(step.caught_up - 1)], step.t_catch_up);
     // After catching up, each draft token but the last is decoded on its own.
     if (k >= 2) track_cost(draft_cost_[0], (step.t_draft - step.t_catch_up) / (k - 1));
-    if (static_cast<size_t>(k) < verify_cost_.size())
-        track_cost(verify_cost_[static_cast<size_t>(k)], step.t_verify);
+    observe_verify_cost(step);
+}
+
+void AdaptivePolicy::observe_verify_cost(const StepOutcome& step) {
+    if (!calibrated() || step.shared) return;
+    const auto k = static_cast<size_t>(step.k);
+    // The calibration decodes after a short context; a long one makes decodes dearer.
+    if (k < calibrated_verify_.size() && cost_ratios_.size() < kHealSteps &&
+        step.context <= kHealContext && step.t_decode > 0.0)
+        cost_ratios_.push_back(step.t_decode / calibrated_verify_[k]);
+    if (k < verify_cost_.size()) track_cost(verify_cost_[k], step.t_verify);
+}
+
+double AdaptivePolicy::verify_cost(int rows) const {
+    const auto m = static_cast<int>(verify_cost_.size());
+    if (rows <= m) return verify_cost_[static_cast<size_t>(std::max(rows, 1) - 1)];
+    // Past the curve each row costs what the rows of its upper half did: on a CPU a decode's
+    // cost grows about linearly with its rows once they are more than a few.
+    const int mid = m / 2;
+    const double per_row =
+        (verify_cost_[static_cast<size_t>(m - 1)] - verify_cost_[static_cast<size_t>(mid - 1)]) /
+        (m - mid);
+    return verify_cost_.back() + std::max(per_row, 0.0) * (rows - m);
 }
 
 BatchCosts::BatchCosts(std::vector<std::pair<int, double>> verify,

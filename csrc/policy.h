@@ -130,6 +130,9 @@ class AdaptivePolicy {
     // Learns from what a step did. A catch-up of more than two tokens (after steps without
     // drafting) is not a cost drafting has, and is left out of the cost estimates.
     void observe(const StepOutcome& step);
+    // Learns the target's cost from a step whose draft this policy did not choose (an n-gram
+    // copy): its verify cost, and whether the calibration looks wrong. No acceptance.
+    void observe_verify_cost(const StepOutcome& step);
     // Learns from what drafting would have met on the text committed since the draft last saw
     // it: chance[i] is the chance a draft of that text's i-th token would have been accepted,
     // given the text before it (greedy: 1 if the draft's argmax is that token, else 0). Throws
@@ -152,6 +155,9 @@ class AdaptivePolicy {
     std::vector<double> acceptance() const;  // per draft position, as the policy estimates it
     // The running cost estimates: calibrated, then updated by each step that used them.
     const std::vector<double>& verify_costs() const { return verify_cost_; }
+    // Seconds for a target decode of `rows` tokens: the running estimate, and past the measured
+    // curve its upper half's cost per row. Calibrated policies only.
+    double verify_cost(int rows) const;
     const std::vector<double>& draft_costs() const { return draft_cost_; }
     int max_k() const { return config_.max_k; }
 

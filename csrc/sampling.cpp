@@ -196,4 +196,11 @@ int32_t sample_residual_point(const Distribution& p, int32_t x, Rng& rng) {
     return draw(p.support, total, residual, rng);
 }
 
+int32_t most_likely(const Distribution& d) {
+    int32_t best = d.support.empty() ? 0 : d.support.front();
+    for (int32_t id : d.support)
+        if (d[id] > d[best] || (d[id] == d[best] && id < best)) best = id;
+    return best;
+}
+
 }  // namespace specdec

@@ -51,6 +51,8 @@ class Rng {
 bool all_finite(const float* values, int n);
 
 int32_t argmax(const float* logits, int n_vocab);
+// The most probable token of a distribution (the lowest id among equals).
+int32_t most_likely(const Distribution& d);
 
 // The best token and how far the runner-up's logit is below it (one pass over the row).
 struct Top2 {

@@ -23,6 +23,7 @@ struct Stats {
     bool recalibrated = false;    // its steps found the costs off; they were measured again
     std::vector<int> steps_at_k;  // [k]: steps that drafted k tokens
     int drafted_by[2] = {0, 0};   // by DraftSource: model, n-gram
+    int n_argmax_drafted = 0;     // sampling: model drafts that were q's argmax (point masses)
     int accepted_by[2] = {0, 0};
     std::vector<int> accepted_at;  // [i]: times draft position i+1 was accepted
     std::vector<int> proposed_at;  // [i]: times draft position i+1 was proposed

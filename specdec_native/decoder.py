@@ -28,6 +28,7 @@ MAX_PARALLEL = 64
 INT32_MAX = (1 << 31) - 1  # the engine's counts and token ids are 32-bit
 FLOAT32_TINY, FLOAT32_MAX = 1e-30, 1e38  # sampling settings are 32-bit floats in the engine
 AUTO = "auto"
+DRAFT_RULES = ("auto", "sample", "argmax")  # generate(draft_rule=...)
 NGRAM = "ngram"  # as the draft: propose from n-gram matches in the context, no draft model
 DraftLength = Union[int, str]  # a fixed K, or "auto"
 
@@ -102,6 +103,7 @@ class Stats:
     accepted_by_model: int
     drafted_by_ngram: int
     accepted_by_ngram: int
+    n_argmax_drafted: int  # sampling: model drafts that were the draft's argmax (point masses)
     accepted_at: list[int]
     proposed_at: list[int]
     t_queue: float  # waiting for a free slot
@@ -552,6 +554,7 @@ class SpeculativeDecoder:
         stop: str | Sequence[str] | None = None,
         n_draft: DraftLength | None = None,
         draft_p_min: float = 0.0,
+        draft_rule: str = "auto",
         timeout: float | None = None,
         deadline: float | None = None,
         on_text: Callable[[str], None] | None = None,
@@ -566,7 +569,10 @@ class SpeculativeDecoder:
         step to maximise expected tokens per second from this machine's measured draft and
         verify costs and the running acceptance, falling back to target-only decoding where
         speculation does not pay). ``draft_p_min`` stops a draft early when the draft model's
-        probability of its next token is below it.
+        probability of its next token is below it. ``draft_rule`` (sampling with a draft model):
+        "sample" drafts x ~ q and accepts with min(1, p/q); "argmax" drafts q's most likely
+        token and accepts it with p(x); "auto" drafts each step by whichever this call's
+        verified positions so far say is accepted more often. All three are exact.
         ``timeout`` (seconds, from this call, waiting for the decoder included) ends the
         generation with finish_reason "timeout"; ``deadline`` (a ``time.monotonic()`` value) does
         the same at that moment, counted from wherever the caller started its clock (a server
@@ -589,6 +595,10 @@ class SpeculativeDecoder:
         adaptive = self._adaptive if n_draft is None else _is_auto(n_draft)
         k = -1 if n_draft is None or adaptive else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
         p_min = _check_float("draft_p_min", draft_p_min, lambda v: 0 <= v <= 1, "in [0, 1]")
+        if draft_rule not in DRAFT_RULES:
+            raise ValueError(
+                f"draft_rule must be one of {', '.join(DRAFT_RULES)}, got {draft_rule!r}"
+            )
         seconds = (
             0.0
             if timeout is None
@@ -621,6 +631,7 @@ class SpeculativeDecoder:
             p_min,
             seconds,
             cancel,
+            draft_rule=draft_rule,
         )
         if out["stats"]["draft_error"]:
             warnings.warn(

@@ -450,3 +450,28 @@ def test_deep_pair_refuses_a_damaged_source_and_a_bad_quant(
     )
     assert_one_line_error(r, "unknown quant")
     assert not list(out.glob("*.gguf"))
+
+
+def test_bench_vs_llama_cpp_without_its_tools(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    r = run_cli(
+        "bench", str(tiny_pair.target), "--draft", "ngram", "--vs-llama-cpp",
+        "--llama-cpp-bin", str(tmp_path),
+    )  # fmt: skip
+    assert_one_line_error(r, "build_llama_cpp_tools.sh")
+    r = run_cli("bench", "--vs-llama-cpp", "--llama-cpp-bin", str(tmp_path))
+    assert r.returncode != 0
+
+
+def test_llama_cpp_output_is_read() -> None:
+    from specdec_native import vs_llama_cpp as vs
+
+    text = (
+        "main: encoded  100 tokens in    0.185 seconds\n"
+        "decoded  145 tokens in    1.159 seconds, speed:  125.084 t/s\n"
+        "n_draft   = 3\nn_predict = 145\nn_drafted = 126\nn_accept  = 114\n"
+    )
+    run = vs.parse_output(text)
+    assert run.n_generated == 145 and run.n_drafted == 126 and run.n_accepted == 114
+    assert abs(run.tokens_per_second - 145 / 1.159) < 1e-6
+    with pytest.raises(RuntimeError, match="no speed"):
+        vs.parse_output("error: failed to load model")

@@ -57,15 +57,26 @@ def sample(
         kw.get("top_p", 1.0),
         kw.get("min_p", 0.0),
     )
+    rule = kw.get("draft_rule", "auto")
     counts: Counter[tuple[int, ...]] = Counter()
     accepted = drafted = 0
     for i in range(N):
         out = engine.generate(
-            PROMPT, 3, *args, seed0 + i, [], k, None, wrong_residual_for_tests=wrong
+            PROMPT,
+            3,
+            *args,
+            seed0 + i,
+            [],
+            k,
+            None,
+            wrong_residual_for_tests=wrong,
+            draft_rule=rule,
         )
         counts[tuple(out["tokens"])] += 1
         accepted += out["stats"]["n_accepted"]
         drafted += out["stats"]["n_drafted"]
+        if rule == "argmax":
+            assert out["stats"]["n_argmax_drafted"] == out["stats"]["n_drafted"]
     return counts, (accepted / drafted if drafted else 0.0)
 
 
@@ -120,6 +131,21 @@ def test_matches_target_distribution(near: sd.SpeculativeDecoder, name: str) -> 
     for n in (1, 2, 3):
         p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
         assert p > 1e-3, f"{name}: first {n} tokens differ from target-only sampling (p={p:.2e})"
+
+
+@pytest.mark.parametrize("dec_name", ["near", "far"])
+def test_argmax_drafts_match_the_target_distribution(
+    dec_name: str, request: pytest.FixtureRequest
+) -> None:
+    # The draft model's argmax as a point mass, accepted with p(x), else a draw from p without x.
+    dec: sd.SpeculativeDecoder = request.getfixturevalue(dec_name)
+    base, _ = sample(dec, 0, 60_000_000)
+    spec, rate = sample(dec, 2, 70_000_000, draft_rule="argmax")
+    # Near: both acceptance and rejection; far: nearly all from the residual p without x.
+    assert (0.05 < rate < 0.95) if dec_name == "near" else rate < 0.05
+    for n in (1, 2, 3):
+        p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
+        assert p > 1e-3, f"{dec_name}: first {n} tokens differ from target-only (p={p:.2e})"
 
 
 def test_requests_sharing_a_batch_match_the_target_distribution(

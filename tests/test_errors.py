@@ -66,6 +66,7 @@ def test_vocab_mismatch(smollm2: Path, tiny_pair: models.ModelPair) -> None:
         {"stop": [""]},
         {"stop": [3]},
         {"seed": -1},
+        {"draft_rule": "greedy"},
     ],
 )
 def test_bad_generate_arguments(tiny_decoder: sd.SpeculativeDecoder, kwargs: dict) -> None:  # type: ignore[type-arg]

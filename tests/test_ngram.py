@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from conftest import NEAR_TIE_GAP
+from conftest import BATCHED_NEAR_TIE_GAP, NEAR_TIE_GAP
 from helpers import assert_same_or_near_tie, assert_stats_add_up
 from test_distribution import homogeneity_pvalue
 
@@ -43,6 +43,48 @@ def test_ngram_then_model(deep_pair: models.ModelPair) -> None:
         assert s.drafted_by_ngram > 0 and s.drafted_by_model > 0
         assert s.drafted_by_ngram + s.drafted_by_model == s.n_drafted
         assert s.accepted_by_ngram + s.accepted_by_model == s.n_accepted
+
+
+# The longest K the draft model's policy may choose.
+MODEL_MAX_K = 10  # AdaptivePolicy::Config::max_k
+
+PASSAGE = (
+    "The committee met on Tuesday to review the budget. It approved a ten percent increase in "
+    "funding for public libraries, rejected the proposal to close the north branch, and agreed "
+    "that the next meeting will be held on the first Monday of March in the town hall."
+)
+
+
+def test_auto_copies_spans_longer_than_a_model_draft(gemma3: Path) -> None:
+    # A text copied out of the prompt: `auto` drafts by the length of the match, beyond any K
+    # it would give a draft model, and the copy stays lossless.
+    prompt = (
+        "<start_of_turn>user\nCopy this text exactly.\n\n"
+        f"{PASSAGE}<end_of_turn>\n<start_of_turn>model\n"
+    )
+    with sd.SpeculativeDecoder(gemma3, "ngram", n_ctx=1024) as dec:
+        base = dec.generate(prompt, 64, n_draft=0)
+        spec = dec.generate(prompt, 64, n_draft="auto")
+    assert base.text.startswith(PASSAGE[:60])
+    assert_same_or_near_tie(spec, base, BATCHED_NEAR_TIE_GAP)
+    assert_stats_add_up(spec.stats, len(spec.tokens))
+    s = spec.stats
+    assert len(s.proposed_at) > MODEL_MAX_K
+    assert s.accepted_by_ngram == s.n_accepted > 0
+    assert s.n_target_passes * 3 < len(spec.tokens)
+
+
+def test_auto_chooses_between_ngram_and_model(deep_pair: models.ModelPair) -> None:
+    # Each step drafts from whichever source promises more: a repeating text makes both pay.
+    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, ngram=True, n_ctx=1024) as dec:
+        base = dec.generate(CODE_EDIT, 60, n_draft=0)
+        spec = dec.generate(CODE_EDIT, 60, n_draft="auto")
+    assert_same_or_near_tie(spec, base, NEAR_TIE_GAP)
+    assert_stats_add_up(spec.stats, len(spec.tokens))
+    s = spec.stats
+    assert s.drafted_by_ngram > 0 and s.drafted_by_model > 0
+    assert s.drafted_by_ngram + s.drafted_by_model == s.n_drafted
+    assert s.accepted_by_ngram > 0.5 * s.drafted_by_ngram
 
 
 def test_point_mass_drafts_keep_the_distribution(tiny_dir: Path) -> None:
