@@ -19,6 +19,10 @@
 namespace py = pybind11;
 using namespace specdec;
 
+#ifdef SPECDEC_TEST_HOOKS
+void bind_testing(py::module_ m);  // bindings_testing.cpp
+#endif
+
 namespace {
 
 // Text from the engine is valid UTF-8 except, at worst, a broken tail at the very end.
@@ -72,13 +76,16 @@ ModelParams model_params(const std::string& path, int n_gpu_layers, int n_ctx, i
     return p;
 }
 
-// A distribution from dense probabilities, its support the nonzero ones (for the maths' tests).
-Distribution dense_distribution(const std::vector<float>& probs) {
-    Distribution d;
-    d.probs = probs;
-    for (size_t i = 0; i < probs.size(); ++i)
-        if (probs[i] > 0) d.support.push_back(static_cast<int32_t>(i));
-    return d;
+const char* draft_rule_name(DraftRule rule) {
+    switch (rule) {
+        case DraftRule::kAuto:
+            return "auto";
+        case DraftRule::kSample:
+            return "sample";
+        case DraftRule::kArgmax:
+            return "argmax";
+    }
+    return "auto";
 }
 
 DraftRule parse_draft_rule(const std::string& rule) {
@@ -86,10 +93,6 @@ DraftRule parse_draft_rule(const std::string& rule) {
     if (rule == "sample") return DraftRule::kSample;
     if (rule == "argmax") return DraftRule::kArgmax;
     throw py::value_error("draft_rule must be 'auto', 'sample' or 'argmax', got '" + rule + "'");
-}
-
-void require_calibrated(const AdaptivePolicy& p) {
-    if (!p.calibrated()) throw py::value_error("calibrate the policy first");
 }
 
 // The call that Ctrl-C cancels, and whether it came: written by the signal handler, so
@@ -214,7 +217,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     py::dict out;
     out["tokens"] = result.tokens;
     out["text"] = to_str(result.text);
-    out["finish_reason"] = result.finish_reason;
+    out["finish_reason"] = finish_reason_name(result.finish_reason);
     out["margins"] = result.margins;
     out["stats"] = stats_dict(result.stats);
     return out;
@@ -232,78 +235,39 @@ PYBIND11_MODULE(_core, m) {
     py::register_exception<NonFiniteLogitsError>(m, "NonFiniteLogitsError", PyExc_RuntimeError);
     py::register_exception<ReentrantCallError>(m, "ReentrantCallError", PyExc_RuntimeError);
 
-    // The policy alone, for tests of its rules: pure arithmetic on costs and outcomes.
-    py::class_<AdaptivePolicy>(m, "AdaptivePolicy")
-        .def(py::init([](int max_k) {
-                 AdaptivePolicy::Config config;
-                 config.max_k = max_k;
-                 return AdaptivePolicy(config);
-             }),
-             py::arg("max_k") = 10)
-        .def_readonly_static("LOOK_BACK", &AdaptivePolicy::kLookBack)
-        .def(
-            "calibrate",
-            [](AdaptivePolicy& p, std::vector<double> verify_costs,
-               std::vector<double> draft_costs) {
-                p.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
-            },
-            py::arg("verify_costs"), py::arg("draft_costs"))
-        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("look_back") = false,
-             py::arg("sampled") = false)
-        .def(
-            "choose",
-            [](AdaptivePolicy& p, int cap) {
-                require_calibrated(p);
-                std::string why;
-                const int k = p.choose(cap, &why);
-                return py::make_tuple(k, why);
-            },
-            py::arg("cap"))
-        .def(
-            "observe",
-            [](AdaptivePolicy& p, int k, int n_accepted, double t_draft, double t_verify,
-               int caught_up, double t_catch_up,
-               const std::optional<std::vector<double>>& accept_chance) {
-                require_calibrated(p);
-                if (k < 0 || k > p.max_k() || n_accepted < 0 || n_accepted > k)
-                    throw py::value_error("need 0 <= n_accepted <= k <= max_k");
-                if (caught_up < 0 || t_catch_up < 0.0 || t_catch_up > t_draft)
-                    throw py::value_error("need caught_up >= 0 and 0 <= t_catch_up <= t_draft");
-                StepOutcome step{k, n_accepted, t_draft, t_verify, caught_up, t_catch_up};
-                if (accept_chance) {
-                    const auto reached = static_cast<size_t>(std::min(k, n_accepted + 1));
-                    if (accept_chance->size() != reached)
-                        throw py::value_error("need one accept_chance per position reached, " +
-                                              std::to_string(reached));
-                    for (double c : *accept_chance)
-                        if (!(c >= 0.0 && c <= 1.0))
-                            throw py::value_error("accept_chance values must be in [0, 1]");
-                    step.accept_chance = &*accept_chance;
-                }
-                p.observe(step);
-            },
-            py::arg("k"), py::arg("n_accepted"), py::arg("t_draft"), py::arg("t_verify"),
-            py::arg("caught_up") = 0, py::arg("t_catch_up") = 0.0,
-            py::arg("accept_chance") = py::none())
-        .def("observe_hindsight", &AdaptivePolicy::observe_hindsight, py::arg("chance"))
-        .def("acceptance", &AdaptivePolicy::acceptance)
-        .def(
-            "expected_rates",
-            [](const AdaptivePolicy& p, int cap) {
-                require_calibrated(p);
-                if (cap < 0 || cap >= static_cast<int>(p.verify_costs().size()))
-                    throw py::value_error("need 0 <= cap < len(verify_costs)");
-                return p.expected_rates(cap);
-            },
-            py::arg("cap"))
-        .def("can_ever_pay", &AdaptivePolicy::can_ever_pay)
-        .def_property_readonly("verify_costs", &AdaptivePolicy::verify_costs)
-        .def_property_readonly("draft_costs", &AdaptivePolicy::draft_costs);
-
     py::class_<CancelFlag, std::shared_ptr<CancelFlag>>(m, "CancelFlag")
         .def(py::init<>())
         .def("cancel", [](CancelFlag& f) { f.requested.store(true); })
         .def_property_readonly("cancelled", [](const CancelFlag& f) { return f.requested.load(); });
+
+    // One generation's settings, checked by the Python API; the engine checks them again.
+    py::class_<GenerateRequest>(m, "Request")
+        .def(py::init<>())
+        .def_readwrite("prompt", &GenerateRequest::prompt)
+        .def_readwrite("max_tokens", &GenerateRequest::max_tokens)
+        .def_property(
+            "temperature", [](const GenerateRequest& r) { return r.sampling.temperature; },
+            [](GenerateRequest& r, float v) { r.sampling.temperature = v; })
+        .def_property(
+            "top_k", [](const GenerateRequest& r) { return r.sampling.top_k; },
+            [](GenerateRequest& r, int v) { r.sampling.top_k = v; })
+        .def_property(
+            "top_p", [](const GenerateRequest& r) { return r.sampling.top_p; },
+            [](GenerateRequest& r, float v) { r.sampling.top_p = v; })
+        .def_property(
+            "min_p", [](const GenerateRequest& r) { return r.sampling.min_p; },
+            [](GenerateRequest& r, float v) { r.sampling.min_p = v; })
+        .def_readwrite("seed", &GenerateRequest::seed)
+        .def_readwrite("stop", &GenerateRequest::stop)
+        .def_readwrite("n_draft", &GenerateRequest::n_draft)
+        .def_readwrite("adaptive", &GenerateRequest::adaptive)
+        .def_readwrite("draft_p_min", &GenerateRequest::draft_p_min)
+        .def_property(
+            "draft_rule",
+            [](const GenerateRequest& r) { return std::string(draft_rule_name(r.draft_rule)); },
+            [](GenerateRequest& r, const std::string& v) { r.draft_rule = parse_draft_rule(v); })
+        .def_readwrite("timeout", &GenerateRequest::timeout)
+        .def_readwrite("cancel", &GenerateRequest::cancel);
 
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
@@ -335,32 +299,10 @@ PYBIND11_MODULE(_core, m) {
              py::arg("n_parallel") = 1)
         .def(
             "generate",
-            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
-               int top_k, float top_p, float min_p, uint64_t seed,
-               const std::vector<std::string>& stop, int n_draft, const py::object& on_text,
-               bool adaptive, float draft_p_min, double timeout,
-               const std::shared_ptr<CancelFlag>& cancel, bool wrong_residual_for_tests,
-               const std::string& draft_rule) {
-                GenerateRequest r;
-                r.prompt = prompt;
-                r.max_tokens = max_tokens;
-                r.sampling = {temperature, top_k, top_p, min_p};
-                r.seed = seed;
-                r.stop = stop;
-                r.n_draft = n_draft;
-                r.adaptive = adaptive;
-                r.draft_p_min = draft_p_min;
-                r.timeout = timeout;
-                r.cancel = cancel;
-                r.wrong_residual_for_tests = wrong_residual_for_tests;
-                r.draft_rule = parse_draft_rule(draft_rule);
-                return run_generate(e, std::move(r), on_text);
+            [](Engine& e, GenerateRequest request, const py::object& on_text) {
+                return run_generate(e, std::move(request), on_text);
             },
-            py::arg("prompt"), py::arg("max_tokens"), py::arg("temperature"), py::arg("top_k"),
-            py::arg("top_p"), py::arg("min_p"), py::arg("seed"), py::arg("stop"),
-            py::arg("n_draft"), py::arg("on_text") = py::none(), py::arg("adaptive") = false,
-            py::arg("draft_p_min") = 0.0f, py::arg("timeout") = 0.0, py::arg("cancel") = nullptr,
-            py::arg("wrong_residual_for_tests") = false, py::arg("draft_rule") = "auto")
+            py::arg("request"), py::arg("on_text") = py::none())
         .def(
             "calibrate",
             [](Engine& e, const std::vector<int32_t>& context) {
@@ -451,61 +393,14 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("running_on_this_thread", &Engine::running_on_this_thread)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 
+    m.attr("MAX_DRAFT") = Engine::kMaxDraft;
+    m.attr("MAX_PARALLEL") = Engine::kMaxParallel;
     m.def("set_log_verbose", &install_log_handler, py::arg("verbose"),
           "Routes llama.cpp's log through specdec: printed when verbose, else kept for errors.");
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
 
-    // The calibration's estimates from timed sweeps, exposed for unit tests.
-    m.def(
-        "estimate_costs",
-        [](const std::vector<std::vector<double>>& verify,
-           const std::vector<std::vector<double>>& draft, double tolerance) {
-            if (!draft.empty() && draft.size() != verify.size())
-                throw py::value_error("need one list of draft timings per sweep, or none");
-            std::vector<CostSweep> sweeps;
-            for (size_t s = 0; s < verify.size(); ++s)
-                sweeps.push_back(
-                    CostSweep{verify[s], draft.empty() ? std::vector<double>{} : draft[s]});
-            CostCurve curve = estimate_costs(sweeps);
-            return py::make_tuple(curve.verify, curve.draft, costs_settled(sweeps, tolerance));
-        },
-        py::arg("verify"), py::arg("draft"), py::arg("tolerance") = 0.05,
-        "(verify costs, draft costs, settled) from sweeps of timings; see csrc/cost_curve.h.");
-
-    // The sampling maths, exposed for unit tests.
-    m.def("distribution", [](const std::vector<float>& logits, float temperature, int top_k,
-                             float top_p, float min_p) {
-        SamplingParams p{temperature, top_k, top_p, min_p};
-        validate(p);
-        if (p.greedy()) throw std::invalid_argument("distribution needs temperature > 0");
-        SamplingWorkspace ws;
-        Distribution d;
-        make_distribution(logits.data(), static_cast<int>(logits.size()), p, ws, d);
-        return d.probs;
-    });
-    m.def("acceptance_probability", &acceptance_probability);
-    m.def("acceptance_chance", [](const std::vector<float>& p, const std::vector<float>& q) {
-        if (p.size() != q.size()) throw py::value_error("p and q need the same length");
-        return acceptance_chance(dense_distribution(p), dense_distribution(q));
-    });
-    m.def("sample_residual_counts",
-          [](const std::vector<float>& p, const std::vector<float>& q, int n, uint64_t seed) {
-              // Draws n samples from norm(max(0, p - q)) and counts them per id.
-              const Distribution dp = dense_distribution(p), dq = dense_distribution(q);
-              Rng rng(seed);
-              std::vector<int> counts(p.size(), 0);
-              for (int i = 0; i < n; ++i)
-                  ++counts[static_cast<size_t>(sample_residual(dp, dq, rng))];
-              return counts;
-          });
-    m.def("utf8_stream",
-          [](const std::vector<py::bytes>& pieces, const std::vector<std::string>& stop) {
-              // Feeds pieces through the text stream; returns the chunks it emitted and the flush.
-              TextStream ts(stop);
-              std::vector<py::bytes> out;
-              for (const auto& piece : pieces) out.emplace_back(ts.push(std::string(piece)));
-              out.emplace_back(ts.flush());
-              return py::make_tuple(out, ts.stopped());
-          });
+#ifdef SPECDEC_TEST_HOOKS
+    bind_testing(m.def_submodule("testing", "Test hooks: the maths and rules alone. Not API."));
+#endif
 }

@@ -53,7 +53,7 @@ class CallbackScope {
 };
 
 // Ends a request that never reached a slot.
-void end_unstarted(RequestChannel& channel, const char* reason) {
+void end_unstarted(RequestChannel& channel, FinishReason reason) {
     {
         std::lock_guard<std::mutex> lock(channel.mutex);
         channel.result.finish_reason = reason;
@@ -207,7 +207,7 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
     {
         std::lock_guard<std::mutex> lock(queue_mutex_);
         if (closing_.load()) {
-            end_unstarted(*channel, "cancelled");
+            end_unstarted(*channel, FinishReason::kCancelled);
             return std::move(channel->result);
         }
         waiting_.push_back(channel);
@@ -254,7 +254,9 @@ GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallbac
         const bool cancelled = channel.cancel_requested() || closing_.load();
         if (!channel.admitted && (cancelled || channel.past_deadline())) {
             lock.unlock();
-            if (withdraw(&channel)) end_unstarted(channel, cancelled ? "cancelled" : "timeout");
+            if (withdraw(&channel))
+                end_unstarted(channel,
+                              cancelled ? FinishReason::kCancelled : FinishReason::kTimeout);
             lock.lock();
         }
     }
@@ -381,7 +383,7 @@ void Engine::fail_all(std::exception_ptr error) {
 void Engine::stop_everything() {
     for (size_t s = 0; s < slots_.size(); ++s) {
         if (!slots_[s]) continue;
-        slots_[s]->finish("cancelled");
+        slots_[s]->finish(FinishReason::kCancelled);
         retire(static_cast<int>(s));
     }
     std::deque<std::shared_ptr<RequestChannel>> waiting;
@@ -391,7 +393,7 @@ void Engine::stop_everything() {
         waiting.swap(waiting_);
         jobs.swap(jobs_);
     }
-    for (auto& channel : waiting) end_unstarted(*channel, "cancelled");
+    for (auto& channel : waiting) end_unstarted(*channel, FinishReason::kCancelled);
     for (auto& job : jobs) {
         {
             std::lock_guard<std::mutex> lock(job->mutex);
@@ -461,9 +463,9 @@ void Engine::start(const std::shared_ptr<RequestChannel>& channel, int seq) {
         try {
             calibrate_locked(request.prompt);
         } catch (const Cancelled&) {
-            end_unstarted(*channel, "cancelled");
+            end_unstarted(*channel, FinishReason::kCancelled);
         } catch (const TimedOut&) {
-            end_unstarted(*channel, "timeout");
+            end_unstarted(*channel, FinishReason::kTimeout);
         } catch (...) {
             fail_unstarted(*channel, std::current_exception());
         }
@@ -551,7 +553,8 @@ void Engine::step() {
     // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
     target_batch_.clear();
     for (Generation* g : decoding_) g->add_verify_rows(target_batch_);
-    add_prompt_chunks(std::min(prefill_budget, n_batch - target_batch_.size()));
+    const size_t joined =
+        add_prompt_chunks(std::min(prefill_budget, n_batch - target_batch_.size()));
     if (target_batch_.size() == 0) return;
     const auto verify_start = Clock::now();
     decode(*target_, target_batch_);
@@ -560,7 +563,8 @@ void Engine::step() {
     // After the decode: their rows in it had to be decoded in place.
     for (const auto& [seq, error] : failed_) retire(seq, error);
     if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
-    accept_all(t_verify, decoding_.size() + prefilled_.size() > 1);
+    // Shared: the decode held more than one sequence (one that joined is in both lists).
+    accept_all(t_verify, decoding_.size() + prefilled_.size() - joined > 1);
 }
 
 void Engine::choose_ks(int row_cap) {
@@ -593,9 +597,10 @@ void Engine::draft_all() {
     for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model_[i] ? seconds : 0);
 }
 
-void Engine::add_prompt_chunks(int budget) {
+size_t Engine::add_prompt_chunks(int budget) {
     prefilled_.clear();
     failed_.clear();
+    size_t joined = 0;
     for (Generation* g : prefilling_) {
         if (budget <= 0) break;
         try {
@@ -603,8 +608,18 @@ void Engine::add_prompt_chunks(int budget) {
             prefilled_.push_back(g);
         } catch (...) {  // its draft's decode failed
             failed_.emplace_back(g->seq(), std::current_exception());
+            continue;
+        }
+        // A prompt read to its end decodes its last token in the same decode: its first token
+        // comes out of this step, not the next (as llama-server does it).
+        if (!g->prefilling() && budget > 0) {
+            g->add_first_row(target_batch_);
+            decoding_.push_back(g);
+            --budget;
+            ++joined;
         }
     }
+    return joined;
 }
 
 void Engine::accept_all(double t_verify, bool shared) {
@@ -657,6 +672,13 @@ void Engine::plan_ks(const std::vector<Generation*>& decoding, int prefill_rows)
     for (size_t i = 0; i < plan_gens_.size(); ++i)
         plan_gens_[i]->expected_tokens(plan_caps_[i], plan_expected_[i]);
     plan_batch(plan_expected_, plan_caps_, other_rows, batch_costs_, plan_k_);
+    // A request learns its acceptance only from the drafts it makes: cut to K = 0 step after
+    // step, its estimates would never move, however well its draft would do now. So every
+    // kBatchProbeInterval-th step the plan cuts keeps each request's own K instead.
+    if (plan_k_ != plan_caps_ && ++steps_since_batch_probe_ >= kBatchProbeInterval) {
+        steps_since_batch_probe_ = 0;
+        return;
+    }
     for (size_t i = 0; i < plan_gens_.size(); ++i) plan_gens_[i]->limit_k(plan_k_[i]);
 }
 
@@ -822,8 +844,16 @@ BatchCosts Engine::measure_batch_costs(const std::vector<llama_token>& context,
     std::vector<std::pair<int, double>> verify, draft;
     for (size_t n = 1; n <= curve.verify.size(); ++n)
         verify.emplace_back(static_cast<int>(n), curve.verify[n - 1]);
-    const int most_rows = std::min({config_.n_parallel * static_cast<int>(curve.verify.size()),
+    const int n_seq = config_.n_parallel;
+    const int most_rows = std::min({n_seq * static_cast<int>(curve.verify.size()),
                                     target_->n_batch(), batch.capacity(), room});
+    // A full batch of n sequences drafting K each decodes n(K + 1) rows, and kernels differ by
+    // size (on this CPU multiples of 4 rows run much faster than the sizes between), so those
+    // sizes are measured, for K up to kPlannedK, rather than interpolated; past them, doubling.
+    constexpr int kPlannedK = 7;
+    const int last_full = std::min(most_rows, n_seq * (kPlannedK + 1));
+    for (int n = (verify.back().first / n_seq + 1) * n_seq; n <= last_full; n += n_seq)
+        verify.emplace_back(n, fastest(*target_, n));
     for (int n = 2 * verify.back().first; verify.back().first < most_rows; n *= 2)
         verify.emplace_back(std::min(n, most_rows), fastest(*target_, std::min(n, most_rows)));
     if (draft_) {

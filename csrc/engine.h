@@ -126,7 +126,8 @@ class Engine {
     // The phases of a step, over decoding_ and prefilling_.
     void choose_ks(int row_cap);
     void draft_all();
-    void add_prompt_chunks(int budget);  // into target_batch_
+    // Into target_batch_; returns how many prompts read to their end joined with their first row.
+    size_t add_prompt_chunks(int budget);
     void accept_all(double t_verify, bool shared);
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
@@ -185,6 +186,8 @@ class Engine {
     // plan_ks's: the adaptive sequences, their K caps, expected tokens and planned K
     std::vector<Generation*> plan_gens_;
     std::vector<int> plan_caps_, plan_k_;
+    static constexpr int kBatchProbeInterval = 8;
+    int steps_since_batch_probe_ = 0;  // steps the plan cut since requests last drafted freely
     std::vector<std::vector<double>> plan_expected_;
     int prefill_chunk_ = kPrefillChunk;
     double plain_step_ = 0.0;  // seconds: the last step's decode without prompt rows

@@ -1,6 +1,7 @@
 #include "generation.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "errors.h"
 
@@ -12,6 +13,28 @@ double seconds_since(Clock::time_point start) {
 }
 
 }  // namespace
+
+#ifdef SPECDEC_TEST_HOOKS
+std::atomic<bool> wrong_residual_for_tests{false};
+#endif
+
+const char* finish_reason_name(FinishReason reason) {
+    switch (reason) {
+        case FinishReason::kNone:
+            return "";
+        case FinishReason::kStop:
+            return "stop";
+        case FinishReason::kLength:
+            return "length";
+        case FinishReason::kContext:
+            return "context";
+        case FinishReason::kCancelled:
+            return "cancelled";
+        case FinishReason::kTimeout:
+            return "timeout";
+    }
+    return "";
+}
 
 Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel> channel,
                        llama_seq_id seq, const AdaptivePolicy& policy)
@@ -60,14 +83,22 @@ int Generation::add_prefill(Batch& batch, int budget) {
 
 void Generation::prefill_decoded(double seconds) { stats().t_prompt += seconds; }
 
+void Generation::add_first_row(Batch& batch) {
+    k_ = 0;
+    copying_ = false;
+    forget_draft();
+    drafted(0.0);
+    add_verify_rows(batch);
+}
+
 void Generation::check_stop() {
     if (finished()) return;
     if (channel_->cancel_requested()) {
-        finish("cancelled");
+        finish(FinishReason::kCancelled);
     } else if (channel_->past_deadline()) {
-        finish("timeout");
+        finish(FinishReason::kTimeout);
     } else if (static_cast<int>(seq_.size()) > parts_.target.n_ctx()) {
-        finish("context");
+        finish(FinishReason::kContext);
     }
 }
 
@@ -173,13 +204,18 @@ void Generation::drop_drafting(const std::string& why) {
     stats().draft_error = why;
 }
 
-bool Generation::draft_by_ngram() {
+void Generation::forget_draft() {
     draft_.tokens.clear();
     draft_.q.clear();
+    draft_.point_mass = false;
     draft_.caught_up = 0;
     draft_.t_catch_up = 0.0;
     draft_.non_finite = false;
     t_draft_step_ = 0.0;
+}
+
+bool Generation::draft_by_ngram() {
+    forget_draft();
     if (k_ == 0 || !ngram_ || (adaptive_ && !copying_)) return false;
     const auto start = Clock::now();
     if (copying_)
@@ -276,6 +312,7 @@ void Generation::accept(double t_verify, bool shared) {
     for (size_t j = 0; j < step_tokens_.size(); ++j)
         committed += commit(step_tokens_[j], step_margins_.empty() ? 0.0f : step_margins_[j]);
     stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
+    hand_over_text();
     // A look back scores the tokens committed since the draft last drafted.
     if (!draft_.tokens.empty()) unseen_from_ = seq_.size();
     if (adaptive_) {
@@ -320,7 +357,9 @@ llama_token Generation::sampled_verdict(size_t row, llama_token x) {
     if (adaptive_) accept_chances_.push_back(point ? double(p[x]) : sampled);
     const bool ok = point ? accept_point_draft(p, x, rng_) : accept_draft(p, *q, x, rng_);
     if (ok) return x;
-    if (req_.wrong_residual_for_tests) return sample(p, rng_);
+#ifdef SPECDEC_TEST_HOOKS
+    if (wrong_residual_for_tests.load()) return sample(p, rng_);
+#endif
     return point ? sample_residual_point(p, x, rng_) : sample_residual(p, *q, rng_);
 }
 
@@ -334,7 +373,7 @@ llama_token Generation::target_token(size_t row) {
 int Generation::commit(llama_token token, float margin) {
     if (finished()) return 0;
     if (parts_.target.is_eog(token)) {
-        finish("stop");
+        finish(FinishReason::kStop);
         return 0;
     }
     if (result_.tokens.empty()) stats().t_first_token = seconds_since(channel_->called);
@@ -343,20 +382,25 @@ int Generation::commit(llama_token token, float margin) {
     if (greedy()) result_.margins.push_back(margin);
     emit(text_.push(parts_.target.token_piece(token)));
     if (text_.stopped()) {
-        finish("stop");
+        finish(FinishReason::kStop);
     } else if (static_cast<int>(result_.tokens.size()) >= req_.max_tokens) {
-        finish("length");
+        finish(FinishReason::kLength);
     }
     return 1;
 }
 
+// The caller is woken once per step (hand_over_text), not per token: each wake-up is a thread
+// switch (and, from Python, a GIL hand-over) on cores the decode needs.
 void Generation::emit(const std::string& text) {
     if (text.empty()) return;
     result_.text += text;
-    {
-        std::lock_guard<std::mutex> lock(channel_->mutex);
-        channel_->text += text;
-    }
+    std::lock_guard<std::mutex> lock(channel_->mutex);
+    channel_->text += text;
+    text_waiting_ = true;
+}
+
+void Generation::hand_over_text() {
+    if (!std::exchange(text_waiting_, false)) return;
     channel_->changed.notify_all();
 }
 

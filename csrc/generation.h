@@ -55,15 +55,23 @@ struct GenerateRequest {
     DraftRule draft_rule = DraftRule::kAuto;
     double timeout = 0.0;  // seconds from the call after which it ends ("timeout"); 0: never
     std::shared_ptr<CancelFlag> cancel;  // may be null
-    // Test-only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
-    // wrong rule, so the distribution tests can show that they catch it.
-    bool wrong_residual_for_tests = false;
 };
+
+#ifdef SPECDEC_TEST_HOOKS
+// Test builds only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
+// wrong rule, so the distribution tests can show that they catch it.
+extern std::atomic<bool> wrong_residual_for_tests;
+#endif
+
+// Why a generation ended. kNone: it has not.
+enum class FinishReason { kNone, kStop, kLength, kContext, kCancelled, kTimeout };
+// "stop", "length", "context", "cancelled", "timeout" ("" for kNone).
+const char* finish_reason_name(FinishReason reason);
 
 struct GenerationResult {
     std::vector<llama_token> tokens;
     std::string text;
-    std::string finish_reason;  // "stop", "length", "context", "cancelled", "timeout"
+    FinishReason finish_reason = FinishReason::kNone;
     // Greedy only: for each token, the target's top-1 minus top-2 logit where it was chosen.
     std::vector<float> margins;
     Stats stats;
@@ -123,7 +131,7 @@ class Generation {
     llama_seq_id seq() const { return seq_id_; }
     bool adaptive() const { return adaptive_; }
     const AdaptivePolicy& policy() const { return policy_; }
-    bool finished() const { return !result_.finish_reason.empty(); }
+    bool finished() const { return result_.finish_reason != FinishReason::kNone; }
 
     // Admission: keeps what the target's cache already holds of the prompt (a chat's earlier
     // turns) and starts the clocks.
@@ -136,6 +144,9 @@ class Generation {
     int add_prefill(Batch& batch, int budget);
     // After the decode holding the prefill rows.
     void prefill_decoded(double seconds);
+    // Once the prompt is read: this step's K is 0, and its one row (the prompt's last token)
+    // joins the batch that read the prompt's end.
+    void add_first_row(Batch& batch);
 
     // Ends the request if it was cancelled, ran past its deadline or filled its context.
     void check_stop();
@@ -168,11 +179,12 @@ class Generation {
     CancelFlag* cancel_flag() const { return req_.cancel.get(); }
     void note_recalibrated() { result_.stats.recalibrated = true; }
     bool ended_normally() const {
-        return result_.finish_reason == "stop" || result_.finish_reason == "length";
+        return result_.finish_reason == FinishReason::kStop ||
+               result_.finish_reason == FinishReason::kLength;
     }
     // Ends the request with `reason` unless it has ended already.
-    void finish(const char* reason) {
-        if (result_.finish_reason.empty()) result_.finish_reason = reason;
+    void finish(FinishReason reason) {
+        if (!finished()) result_.finish_reason = reason;
     }
 
   private:
@@ -183,6 +195,7 @@ class Generation {
     bool looks_back() const;
     void look_back();
     void drop_drafting(const std::string& why);
+    void forget_draft();
     const float* target_logits(size_t row);
     const Distribution& target_distribution(size_t row);
     llama_token greedy_verdict(size_t row);
@@ -191,6 +204,7 @@ class Generation {
     llama_token target_token(size_t row);
     int commit(llama_token token, float margin);
     void emit(const std::string& text);
+    void hand_over_text();
 
     EngineParts parts_;
     std::shared_ptr<RequestChannel> channel_;
@@ -228,6 +242,7 @@ class Generation {
     Distribution p_;
     SamplingWorkspace workspace_;
     GenerationResult result_;
+    bool text_waiting_ = false;  // emitted text the caller has not been woken for
 };
 
 }  // namespace specdec

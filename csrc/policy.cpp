@@ -120,7 +120,7 @@ void AdaptivePolicy::begin_generation(bool look_back, bool sampled) {
     // A look back needs text to look at: the first waits a few steps.
     probe_interval_ = std::max(probe_interval_, config_.close_call_probe_interval);
     steps_since_probe_ = probe_interval_ - (looking_back_ ? config_.probe_interval : 1);
-    probing_ = probe_again_ = looked_ = probe_after_look_ = false;
+    phase_ = Phase::kSteady;
 }
 
 void AdaptivePolicy::calibrate(std::vector<double> verify_costs, std::vector<double> draft_costs,
@@ -262,7 +262,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     if (best > 0) {
         steps_since_probe_ = 0;
         probe_interval_ = config_.probe_interval;
-        probing_ = probe_again_ = looked_ = false;
+        phase_ = Phase::kSteady;
         return best;
     }
     // Speculation does not pay at the current acceptance; probe now and then, since the text
@@ -274,7 +274,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     // has paid since the last run that found nothing (the text has easier stretches: on the code
     // prompt of the layer-skip pair, doubling after `33 30` left it at target-only for 30 steps
     // where K = 3 gives 1.3x), and twice as long as the last wait otherwise.
-    if (probing_ && !probe_again_) {
+    if (phase_ == Phase::kProbing || phase_ == Phase::kProbingAfterLook) {
         const bool clearly_worse = rate[best_drafting] < rate[0] * (1.0 - kClearlyWorse);
         const int limit = clearly_worse
                               ? config_.max_probe_interval
@@ -283,13 +283,13 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
             probes_paid_ ? config_.probe_interval : std::min(probe_interval_ * 2, limit);
         probes_paid_ = false;
     }
-    probing_ = false;
-    if (probe_again_) {
+    if (phase_ == Phase::kProbeAgain) {
         steps_since_probe_ = 0;
-        probing_ = true;
-        probe_again_ = false;
+        phase_ = Phase::kProbing;
         return probe_again_k_ > 0 ? std::min(probe_again_k_, cap) : best_drafting;
     }
+    const bool looked = phase_ == Phase::kLooked;
+    phase_ = Phase::kSteady;
     // A look back that left speculating clearly slower is a probe that found nothing. One that
     // left it a close call is followed by a real probe: a short stretch of text cannot settle
     // a close call, and a probe that pays commits its tokens. That probe gets a second step if
@@ -298,12 +298,10 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     // every other word of a two-word loop; a look scores that as position 1 always accepted,
     // a probe that starts on the other word fails, and the step after it starts on the right
     // one.
-    if (looked_) {
-        looked_ = false;
+    if (looked) {
         if (rate[best_drafting] >= rate[0] * (1.0 - kClearlyWorse)) {
             steps_since_probe_ = 0;
-            probing_ = true;
-            probe_after_look_ = true;
+            phase_ = Phase::kProbingAfterLook;
             return best_drafting;
         }
         probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
@@ -312,7 +310,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     if (++steps_since_probe_ >= probe_interval_) {
         steps_since_probe_ = 0;
         if (looking_back_) return kLookBack;
-        probing_ = true;
+        phase_ = Phase::kProbing;
         return probe_k(cap);
     }
     if (why) *why = "low acceptance";
@@ -339,26 +337,28 @@ AdaptivePolicy::Yield AdaptivePolicy::yield_of(const StepOutcome& step, int m) {
 }
 
 void AdaptivePolicy::decide_on_probe(const StepOutcome& step) {
-    probe_again_ = false;
     probe_again_k_ = 0;
     const int k = step.k, n_accepted = step.n_accepted;
-    const bool after_look = std::exchange(probe_after_look_, false);
-    if (!probing_ || k == 0) return;
+    const bool after_look = phase_ == Phase::kProbingAfterLook;
+    // A probe's step has been taken: the run of probes ends here unless it calls for another.
+    if (phase_ == Phase::kProbingAfterLook || phase_ == Phase::kProbeAgain)
+        phase_ = Phase::kProbing;
+    if (phase_ != Phase::kProbing || k == 0) return;
     // A probe that paid (committed tokens faster than the target alone would have) is followed
     // by another, of the K the estimates now favour: the text may have turned easier, and one
     // probe's evidence is too little to bring drafting back on its own.
     if (probe_paid(k, yield_of(step, k))) {
-        probe_again_ = true;
+        phase_ = Phase::kProbeAgain;
         probes_paid_ = true;
     } else if (n_accepted > 0 && n_accepted < k &&
                probe_paid(n_accepted, yield_of(step, n_accepted))) {
         // Its accepted prefix alone, as a whole accepted draft, would have paid: probe that
         // length. Where the draft is right at position 1 and wrong at 2, probes of the prior's
         // K never pay, and ones of K = 1 do.
-        probe_again_ = true;
+        phase_ = Phase::kProbeAgain;
         probe_again_k_ = n_accepted;
     } else if (after_look) {
-        probe_again_ = true;
+        phase_ = Phase::kProbeAgain;
         probe_again_k_ = k;
     }
 }
@@ -381,7 +381,7 @@ void AdaptivePolicy::observe_hindsight(const std::vector<double>& chance) {
         }
         start += 1 + static_cast<size_t>(std::lround(expected));
     }
-    looked_ = true;
+    phase_ = Phase::kLooked;
 }
 
 void AdaptivePolicy::observe(const StepOutcome& step) {
@@ -487,17 +487,37 @@ void plan_batch(const std::vector<std::vector<double>>& expected, const std::vec
         const double seconds = costs.step(ks, other_rows);
         return seconds > 0.0 ? tokens / seconds : 0.0;
     };
-    // Ascent from no drafting: each round takes the one change of one sequence's K that raises
+    const auto cap_of = [&](size_t i) {
+        return std::min(caps[i], static_cast<int>(expected[i].size()) - 1);
+    };
+    // Start from the best K shared by all (each up to its cap), no drafting included: where the
+    // cost of a decode is uneven in its rows (on this CPU multiples of 4 are cheap), one
+    // sequence drafting alone may not pay while all drafting together do, and an ascent from
+    // no drafting would never get there.
+    double best = rate(k);
+    int most = 0;
+    for (size_t i = 0; i < n; ++i) most = std::max(most, cap_of(i));
+    thread_local std::vector<int> trial;  // reused: this runs every step
+    trial.resize(n);
+    for (int u = 1; u <= most; ++u) {
+        for (size_t i = 0; i < n; ++i) trial[i] = std::min(u, cap_of(i));
+        const double r = rate(trial);
+        if (r > best * (1.0 + 1e-9)) {
+            best = r;
+            k = trial;
+        }
+    }
+    // Then ascent: each round takes the one change of one sequence's K, up or down, that raises
     // the batch's rate most. A jump of several tokens is tried too: the first draft position
     // pays for a draft decode the later ones share.
-    double best = rate(k);
     while (true) {
         size_t best_i = n;
         int best_k = 0;
         for (size_t i = 0; i < n; ++i) {
-            const int cap = std::min(caps[i], static_cast<int>(expected[i].size()) - 1);
+            const int cap = cap_of(i);
             const int was = k[i];
-            for (int ki = was + 1; ki <= cap; ++ki) {
+            for (int ki = 0; ki <= cap; ++ki) {
+                if (ki == was) continue;
                 k[i] = ki;
                 const double r = rate(k);
                 if (r > best * (1.0 + 1e-9)) {

@@ -204,18 +204,23 @@ class AdaptivePolicy {
     int current_k_ = -1;
     int steps_since_probe_ = 0;
     int probe_interval_ = 0;
-    bool probing_ = false;  // the step being observed is a probe
-    // The last probe paid, or its accepted prefix would have as a shorter draft: probe once
-    // more, of probe_again_k_ tokens (0: the K the estimates favour).
-    bool probe_again_ = false;
+    // Where the policy stands between choose() and observe(): each probe is one step.
+    enum class Phase {
+        kSteady,            // no probe under way: drafting, or falling back and counting steps
+        kProbing,           // a probe: being taken, or taken and calling for no other
+        kProbingAfterLook,  // a probe after a look back that found a close call
+        // The last probe paid, or its accepted prefix would have as a shorter draft: probe once
+        // more, of probe_again_k_ tokens (0: the K the estimates favour).
+        kProbeAgain,
+        kLooked,  // the estimates have just learnt from a look back
+    };
+    Phase phase_ = Phase::kSteady;
     int probe_again_k_ = 0;
     // A probe has paid since the last run of probes that found nothing; kept while drafting
     // and across requests: a text with easier stretches is looked at again soon.
     bool probes_paid_ = false;
-    bool looking_back_ = false;      // this request looks back instead of probing blind
-    bool sampled_ = false;           // this request samples: its evidence is chances
-    bool looked_ = false;            // the estimates have just learnt from a look back
-    bool probe_after_look_ = false;  // the probe being observed follows a close-call look
+    bool looking_back_ = false;  // this request looks back instead of probing blind
+    bool sampled_ = false;       // this request samples: its evidence is chances
 };
 
 }  // namespace specdec

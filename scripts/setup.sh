@@ -91,7 +91,8 @@ main() {
     # an isolated build would compile llama.cpp a second time.
     "$VENV/bin/pip" install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" cmake ninja >&2
     local extras=""
-    [ "$DEV" = 1 ] && extras="[dev]"
+    # The test suite's build also has the test hooks (specdec_native._core.testing).
+    [ "$DEV" = 1 ] && extras="[dev]" && export SPECDEC_TEST_HOOKS=ON
     log "building and installing specdec"
     "$VENV/bin/pip" install --quiet --no-build-isolation --editable "$ROOT$extras" >&2
     log "ready: $VENV"

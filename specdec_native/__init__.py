@@ -21,6 +21,7 @@ from specdec_native._core import (  # noqa: E402
 from specdec_native.decoder import (  # noqa: E402
     ArgumentTypeError,
     EngineClosedError,
+    FinishReason,
     GenerationResult,
     SpeculativeDecoder,
     Stats,
@@ -31,6 +32,7 @@ __all__ = [
     "CancelFlag",
     "ContextOverflowError",
     "EngineClosedError",
+    "FinishReason",
     "GenerationResult",
     "ModelLoadError",
     "NonFiniteLogitsError",

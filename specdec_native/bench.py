@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -166,16 +165,9 @@ def machine_info() -> dict[str, Any]:
     import os
 
     from specdec_native import _core
+    from specdec_native.calibration import cpu_model
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "system": _core.system_info().strip()}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "system": _core.system_info().strip()}
 
 
 def _k_order(k: int | str) -> int:

@@ -31,7 +31,8 @@ def _file_identity(path: Path) -> list[Any]:
     return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (what the cost curve and the benchmarks were measured on)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -48,7 +49,7 @@ def inputs(target: Path, draft: Path | None, settings: dict[str, Any]) -> dict[s
         "target": _file_identity(target),
         "draft": _file_identity(draft) if draft else "ngram",
         "settings": settings,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "backend": _core.system_info().strip(),
         "host": platform.node(),

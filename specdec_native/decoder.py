@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import enum
 import functools
 import math
 import numbers
@@ -23,8 +24,8 @@ from typing import Any, Callable, Union
 from specdec_native import _core, calibration
 
 PathLike = Union[str, "os.PathLike[str]"]
-MAX_DRAFT = 64
-MAX_PARALLEL = 64
+MAX_DRAFT: int = _core.MAX_DRAFT  # the longest draft a step may verify
+MAX_PARALLEL: int = _core.MAX_PARALLEL  # the most requests one decoder serves at once
 INT32_MAX = (1 << 31) - 1  # the engine's counts and token ids are 32-bit
 FLOAT32_TINY, FLOAT32_MAX = 1e-30, 1e38  # sampling settings are 32-bit floats in the engine
 AUTO = "auto"
@@ -154,11 +155,24 @@ class Stats:
         return d
 
 
+class FinishReason(str, enum.Enum):
+    """Why a generation ended; compares equal to its name ("stop" == FinishReason.STOP)."""
+
+    STOP = "stop"  # an end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens
+    CONTEXT = "context"  # the context is full
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     text: str
     tokens: list[int]
-    finish_reason: str  # "stop" | "length" | "context" | "cancelled" | "timeout"
+    finish_reason: FinishReason
     stats: Stats
     prompt_tokens: list[int] = field(default_factory=list)
     # Greedy only: per token, the target's top-1 minus top-2 logit where it chose that token.
@@ -616,23 +630,22 @@ class SpeculativeDecoder:
         )
         if first_adaptive:
             self._load_calibration(engine)
-        out = engine.generate(
-            tokens,
-            max_tokens,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            seed,
-            stops,
-            k,
-            on_text,
-            adaptive,
-            p_min,
-            seconds,
-            cancel,
-            draft_rule=draft_rule,
-        )
+        request = _core.Request()
+        request.prompt = tokens
+        request.max_tokens = max_tokens
+        request.temperature = temperature
+        request.top_k = top_k
+        request.top_p = top_p
+        request.min_p = min_p
+        request.seed = seed
+        request.stop = stops
+        request.n_draft = k
+        request.adaptive = adaptive
+        request.draft_p_min = p_min
+        request.draft_rule = draft_rule
+        request.timeout = seconds
+        request.cancel = cancel
+        out = engine.generate(request, on_text)
         if out["stats"]["draft_error"]:
             warnings.warn(
                 f"drafting was dropped for this request: {out['stats']['draft_error']}",
@@ -642,7 +655,7 @@ class SpeculativeDecoder:
         result = GenerationResult(
             text=out["text"],
             tokens=list(out["tokens"]),
-            finish_reason=out["finish_reason"],
+            finish_reason=FinishReason(out["finish_reason"]),
             stats=Stats(**out["stats"]),
             prompt_tokens=tokens,
             margins=list(out["margins"]),

@@ -132,7 +132,12 @@ def llama_cpp_args(
 def run_llama_cpp(args: Sequence[str]) -> Run:
     try:
         done = subprocess.run(
-            args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+            args,
+            capture_output=True,
+            text=True,
+            errors="replace",  # it prints text as it decodes it, a character split across pieces
+            timeout=RUN_TIMEOUT_S,
+            check=False,
         )
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"llama-speculative-simple ran past {RUN_TIMEOUT_S} s") from e

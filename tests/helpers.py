@@ -9,6 +9,7 @@ from typing import Any, Callable
 import numpy as np
 
 import specdec_native as sd
+from specdec_native import _core
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
@@ -81,3 +82,20 @@ def rewrite_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def engine_request(
+    prompt: Sequence[int], max_tokens: int, seed: int, n_draft: int, **kw: Any
+) -> _core.Request:
+    """A request for the engine itself, without the Python API's checks and result objects (for
+    tests that run tens of thousands of short generations). Sampling at temperature 1 unless
+    told otherwise."""
+    r = _core.Request()
+    r.prompt = list(prompt)
+    r.max_tokens = max_tokens
+    r.seed = seed
+    r.n_draft = n_draft
+    r.temperature = kw.pop("temperature", 1.0)
+    for name, value in kw.items():
+        setattr(r, name, value)
+    return r

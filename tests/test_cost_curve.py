@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specdec_native import _core
+from specdec_native._core import testing
 
 TRUE_VERIFY = [0.010, 0.011, 0.012, 0.013]
 
@@ -32,7 +32,7 @@ def noisy_sweeps(
 
 def test_a_busy_machine_scales_the_costs_but_not_how_they_compare() -> None:
     verify, draft = noisy_sweeps(TRUE_VERIFY, [0.002, 0.003], 6, seed=1)
-    v, d, _ = _core.estimate_costs(verify, draft)
+    v, d, _ = testing.estimate_costs(verify, draft)
     scale = v[0] / TRUE_VERIFY[0]
     assert scale > 1.2  # typical costs on a busy machine
     assert v == pytest.approx([t * scale for t in TRUE_VERIFY])
@@ -42,32 +42,32 @@ def test_a_busy_machine_scales_the_costs_but_not_how_they_compare() -> None:
 def test_costs_are_typical_not_best_case() -> None:
     # Steps measure what decodes typically cost; the calibration must say the same.
     verify = [[t * f for t in TRUE_VERIFY] for f in (1.0, 1.1, 1.2)]
-    v, _, _ = _core.estimate_costs(verify, [])
+    v, _, _ = testing.estimate_costs(verify, [])
     assert v == pytest.approx([t * 1.1 for t in TRUE_VERIFY])
 
 
 def test_a_model_drafting_for_itself_never_looks_cheaper_than_itself() -> None:
     for seed in range(20):
         verify, draft = noisy_sweeps(TRUE_VERIFY, TRUE_VERIFY[:2], 6, seed)
-        v, d, _ = _core.estimate_costs(verify, draft)
+        v, d, _ = testing.estimate_costs(verify, draft)
         assert d == pytest.approx(v[:2])
 
 
 def test_settled_once_the_last_sweep_is_no_faster() -> None:
     steady = [list(TRUE_VERIFY) for _ in range(3)]
-    assert _core.estimate_costs(steady, [])[2]
-    assert not _core.estimate_costs(steady[:1], [])[2]  # one sweep says nothing about noise
+    assert testing.estimate_costs(steady, [])[2]
+    assert not testing.estimate_costs(steady[:1], [])[2]  # one sweep says nothing about noise
     slow = [t * 2 for t in TRUE_VERIFY]
-    assert _core.estimate_costs([slow, list(TRUE_VERIFY), slow], [])[2]
+    assert testing.estimate_costs([slow, list(TRUE_VERIFY), slow], [])[2]
     # The last sweep found the target faster than any before: there may be faster still.
-    assert not _core.estimate_costs([slow, slow, list(TRUE_VERIFY)], [])[2]
+    assert not testing.estimate_costs([slow, slow, list(TRUE_VERIFY)], [])[2]
     # Likewise for the draft.
-    assert not _core.estimate_costs(steady, [[0.004, 0.006], [0.004, 0.006], [0.002, 0.006]])[2]
+    assert not testing.estimate_costs(steady, [[0.004, 0.006], [0.004, 0.006], [0.002, 0.006]])[2]
 
 
 def test_without_draft_timings_drafting_costs_nothing() -> None:
     # An n-gram drafter: a few hash lookups next to a decode.
-    _, d, _ = _core.estimate_costs([TRUE_VERIFY] * 3, [])
+    _, d, _ = testing.estimate_costs([TRUE_VERIFY] * 3, [])
     assert d == [0.0, 0.0]
 
 
@@ -86,4 +86,4 @@ def test_without_draft_timings_drafting_costs_nothing() -> None:
 )
 def test_malformed_sweeps_are_rejected(verify: list[list[float]], draft: list[list[float]]) -> None:
     with pytest.raises(ValueError):
-        _core.estimate_costs(verify, draft)
+        testing.estimate_costs(verify, draft)

@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import engine_request
 from scipy.stats import chi2_contingency
 
 import specdec_native as sd
 from specdec_native import models
+from specdec_native._core import testing
 
 N = 20_000
 PROMPT = [1, 300, 270]  # BOS and two word tokens of the tiny vocabulary
@@ -47,31 +49,15 @@ def far(tiny_dir: Path) -> Iterator[sd.SpeculativeDecoder]:
 
 
 def sample(
-    dec: sd.SpeculativeDecoder, k: int, seed0: int, wrong: bool = False, **kw: Any
+    dec: sd.SpeculativeDecoder, k: int, seed0: int, **kw: Any
 ) -> tuple[Counter[tuple[int, ...]], float]:
     """Counts of the generated 3-token sequences, and the acceptance rate."""
     engine = dec._live()
-    args = (
-        kw.get("temperature", 1.0),
-        kw.get("top_k", 0),
-        kw.get("top_p", 1.0),
-        kw.get("min_p", 0.0),
-    )
     rule = kw.get("draft_rule", "auto")
     counts: Counter[tuple[int, ...]] = Counter()
     accepted = drafted = 0
     for i in range(N):
-        out = engine.generate(
-            PROMPT,
-            3,
-            *args,
-            seed0 + i,
-            [],
-            k,
-            None,
-            wrong_residual_for_tests=wrong,
-            draft_rule=rule,
-        )
+        out = engine.generate(engine_request(PROMPT, 3, seed0 + i, k, **kw))
         counts[tuple(out["tokens"])] += 1
         accepted += out["stats"]["n_accepted"]
         drafted += out["stats"]["n_drafted"]
@@ -91,7 +77,7 @@ def sample_together(
 
     def work(t: int) -> None:
         for i in range(t, N, n_threads):
-            out = engine.generate(PROMPT, 3, 1.0, 0, 1.0, 0.0, seed0 + i, [], k, None)
+            out = engine.generate(engine_request(PROMPT, 3, seed0 + i, k))
             counts[t][tuple(out["tokens"])] += 1
             shared[t] += out["stats"]["n_shared_steps"]
 
@@ -172,6 +158,10 @@ def test_far_draft_still_exact(far: sd.SpeculativeDecoder) -> None:
 
 def test_the_test_catches_a_wrong_residual(far: sd.SpeculativeDecoder) -> None:
     base, _ = sample(far, 0, 30_000_000)
-    wrong, _ = sample(far, 2, 40_000_000, wrong=True)
+    testing.set_wrong_residual(True)
+    try:
+        wrong, _ = sample(far, 2, 40_000_000)
+    finally:
+        testing.set_wrong_residual(False)
     p = homogeneity_pvalue(first_tokens(base, 1), first_tokens(wrong, 1))
     assert p < 1e-6, f"resampling from p after a rejection went unnoticed (p={p:.2e})"

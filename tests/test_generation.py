@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 from conftest import PROMPTS
 from helpers import assert_stats_add_up
@@ -27,11 +28,34 @@ def test_different_seeds_differ(deep_decoder: sd.SpeculativeDecoder) -> None:
     assert len(outs) > 1
 
 
-def test_transforms_accepted(deep_decoder: sd.SpeculativeDecoder) -> None:
-    r = deep_decoder.generate(
-        PROMPTS[2], 20, temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=1
-    )
-    assert r.stats.n_generated == len(r.tokens) > 0
+def allowed_tokens(
+    logits: list[float], t: float, top_k: int, top_p: float, min_p: float
+) -> set[int]:
+    """The tokens temperature -> top-k -> top-p -> min-p leave, computed here independently."""
+    x = np.asarray(logits, dtype=np.float64) / t
+    order = np.argsort(-x)[:top_k]
+    p = np.exp(x[order] - x[order[0]])
+    p /= p.sum()
+    keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
+    order, p = order[:keep], p[:keep] / p[:keep].sum()
+    return {int(i) for i, pi in zip(order, p) if pi >= min_p * p[0]}
+
+
+def test_transforms_shape_the_first_token(deep_decoder: sd.SpeculativeDecoder) -> None:
+    # Every sampled first token, drafted and accepted or drawn by the target, lies where the
+    # transforms leave mass (5 tokens here). Ignoring them would put half the draws outside.
+    t, top_k, top_p, min_p = 1.0, 40, 0.6, 0.05
+    prompt = deep_decoder.tokenize(PROMPTS[2], add_special=True, parse_special=True)
+    allowed = allowed_tokens(deep_decoder.next_token_logits(prompt), t, top_k, top_p, min_p)
+    assert 1 < len(allowed) < top_k
+    firsts = [
+        deep_decoder.generate(
+            prompt, 4, n_draft=3, temperature=t, top_k=top_k, top_p=top_p, min_p=min_p, seed=s
+        ).tokens[0]
+        for s in range(60)
+    ]
+    assert set(firsts) <= allowed
+    assert len(set(firsts)) > 1
 
 
 @pytest.mark.parametrize("transform", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])

@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from conftest import BATCHED_NEAR_TIE_GAP, NEAR_TIE_GAP
-from helpers import assert_same_or_near_tie, assert_stats_add_up
+from helpers import assert_same_or_near_tie, assert_stats_add_up, engine_request
 from test_distribution import homogeneity_pvalue
 
 import specdec_native as sd
@@ -64,8 +64,10 @@ def test_auto_copies_spans_longer_than_a_model_draft(gemma3: Path) -> None:
     )
     with sd.SpeculativeDecoder(gemma3, "ngram", n_ctx=1024) as dec:
         base = dec.generate(prompt, 64, n_draft=0)
+        # Evicts the prompt from the cache, so that both runs read it the same way.
+        dec.generate("Hello", 1, n_draft=0)
         spec = dec.generate(prompt, 64, n_draft="auto")
-    assert base.text.startswith(PASSAGE[:60])
+    assert PASSAGE[:60] in base.text
     assert_same_or_near_tie(spec, base, BATCHED_NEAR_TIE_GAP)
     assert_stats_add_up(spec.stats, len(spec.tokens))
     s = spec.stats
@@ -97,7 +99,7 @@ def test_point_mass_drafts_keep_the_distribution(tiny_dir: Path) -> None:
         drafted = accepted = 0
         for k in (0, 2):
             for i in range(n):
-                out = engine.generate(prompt, 2, 1.0, 0, 1.0, 0.0, 7 * n + i, [], k, None)
+                out = engine.generate(engine_request(prompt, 2, 7 * n + i, k))
                 counts[k][tuple(out["tokens"])] += 1
                 if k:
                     drafted += out["stats"]["n_drafted"]

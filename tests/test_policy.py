@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from specdec_native import _core
+from specdec_native._core import testing
 
 # The deep pair's calibration on the 2-core test machine (docs/benchmarks.md), in seconds:
 # t_verify(n) for n = 1..11, and a draft decode of one token and of two.
@@ -18,15 +18,15 @@ VERIFY = [0.0364, 0.0500, 0.0641, 0.0615, 0.0726, 0.0889, 0.1051, 0.0950, 0.1260
 D1, D2 = 0.0078, 0.0108
 
 
-def policy() -> _core.AdaptivePolicy:
-    p = _core.AdaptivePolicy()
+def policy() -> testing.AdaptivePolicy:
+    p = testing.AdaptivePolicy()
     p.calibrate(VERIFY, [D1, D2])
     p.begin_generation()
     return p
 
 
 def observe(
-    p: _core.AdaptivePolicy,
+    p: testing.AdaptivePolicy,
     k: int,
     n: int,
     after_whole_draft: bool = False,
@@ -42,7 +42,7 @@ def observe(
 
 
 def run(
-    p: _core.AdaptivePolicy,
+    p: testing.AdaptivePolicy,
     steps: int,
     accepted_run: int | None = None,
     rate: float = 1.0,
@@ -172,7 +172,7 @@ def _waits(ks: list[int]) -> list[int]:
     return waits or [0]
 
 
-def _probe_after_fallback(p: _core.AdaptivePolicy) -> int:
+def _probe_after_fallback(p: testing.AdaptivePolicy) -> int:
     """Runs target-only steps until the policy probes; returns the probe's K."""
     for _ in range(300):
         k, _why = p.choose(10)
@@ -274,7 +274,7 @@ def test_estimates_track_the_measured_rate() -> None:
 
 
 def run_sampled(
-    p: _core.AdaptivePolicy,
+    p: testing.AdaptivePolicy,
     steps: int,
     chance: float,
     rng: random.Random,
@@ -358,7 +358,7 @@ def test_a_draft_too_slow_at_calibration_stays_so_through_a_slow_spell() -> None
     # The cannot-pay pair's calibration on the test machine (SmolLM2 Q4_1 target, its Q4_0
     # requant as draft): even a draft accepted whole reaches 0.74x of target-only.
     verify = [0.0110, 0.0173, 0.0225, 0.0275, 0.0347, 0.0403, 0.0455, 0.0493, 0.0554, 0.0619]
-    p = _core.AdaptivePolicy()
+    p = testing.AdaptivePolicy()
     p.calibrate(verify, [0.0094, 0.0133])
     p.begin_generation()
     assert not p.can_ever_pay()
@@ -372,7 +372,7 @@ def test_a_draft_too_slow_at_calibration_stays_so_through_a_slow_spell() -> None
 
 
 def test_rejects_bad_input() -> None:
-    p = _core.AdaptivePolicy()
+    p = testing.AdaptivePolicy()
     with pytest.raises(ValueError, match="calibrate"):
         p.choose(4)
     with pytest.raises(ValueError, match="verify costs"):
@@ -397,21 +397,21 @@ def test_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         p.observe(3, 0, D1, VERIFY[3], 1, D1, [1.5])
     with pytest.raises(ValueError, match="max_k"):
-        _core.AdaptivePolicy(0)
+        testing.AdaptivePolicy(0)
 
 
 # -- looking back: a model drafter scores the text committed while falling back ----------------
 
 
-def looking_policy() -> _core.AdaptivePolicy:
-    p = _core.AdaptivePolicy()
+def looking_policy() -> testing.AdaptivePolicy:
+    p = testing.AdaptivePolicy()
     p.calibrate(VERIFY, [D1, D2])
     p.begin_generation(look_back=True)
     return p
 
 
 def run_looking(
-    p: _core.AdaptivePolicy,
+    p: testing.AdaptivePolicy,
     steps: int,
     accepted_run: int,
     hindsight: Callable[[int], list[float]],
@@ -423,12 +423,12 @@ def run_looking(
     unseen, whole = 0, False
     for step in range(steps):
         k, _why = p.choose(10)
-        if k == _core.AdaptivePolicy.LOOK_BACK:
+        if k == testing.AdaptivePolicy.LOOK_BACK:
             looks.append(step)
             p.observe_hindsight(hindsight(unseen))
             unseen = 0
             k, _why = p.choose(10)
-            assert k != _core.AdaptivePolicy.LOOK_BACK
+            assert k != testing.AdaptivePolicy.LOOK_BACK
         n = min(k, accepted_run)
         observe(p, k, n, after_whole_draft=whole)
         whole = k > 0 and n == k
@@ -480,7 +480,7 @@ def test_a_look_back_at_a_close_call_is_followed_by_a_probe() -> None:
         run_looking(p, 40, accepted_run=0, hindsight=lambda n: [0.0] * n)
         for _ in range(300):
             k, _why = p.choose(10)
-            if k == _core.AdaptivePolicy.LOOK_BACK:
+            if k == testing.AdaptivePolicy.LOOK_BACK:
                 p.observe_hindsight([chance] * 8)
                 return int(p.choose(10)[0])
             observe(p, k, 0)
@@ -501,7 +501,7 @@ def test_the_probe_after_a_close_call_look_gets_a_second_step() -> None:
     run_looking(p, 40, accepted_run=0, hindsight=lambda n: [0.0] * n)
     for _ in range(300):
         k, _why = p.choose(10)
-        if k == _core.AdaptivePolicy.LOOK_BACK:
+        if k == testing.AdaptivePolicy.LOOK_BACK:
             break
         observe(p, k, 0)
     else:
@@ -520,3 +520,36 @@ def test_rejects_bad_hindsight() -> None:
     for bad in (1.5, -0.1, float("nan")):
         with pytest.raises(ValueError, match=r"\[0, 1\]"):
             p.observe_hindsight([0.5, bad])
+
+
+# A batch's costs on this kind of CPU (ms): decodes of a multiple of 4 rows are cheap.
+BATCH_VERIFY = [
+    (1, 40), (2, 52), (3, 63), (4, 56), (5, 71), (6, 82), (7, 93), (8, 86), (9, 100),
+    (10, 112), (11, 123), (12, 114), (16, 118), (20, 148),
+]  # fmt: skip
+BATCH_DRAFT = [(1, 8.2), (2, 10.9), (4, 11.8), (8, 17.7)]
+
+
+def expected_tokens(acceptance: float, cap: int) -> list[float]:
+    out, reached = [1.0], 1.0
+    for _ in range(cap):
+        reached *= acceptance
+        out.append(out[-1] + reached)
+    return out
+
+
+def plan(acceptance: float, n: int) -> list[int]:
+    return testing.plan_batch(
+        [expected_tokens(acceptance, 4)] * n,
+        [4] * n,
+        0,
+        [(r, t / 1000) for r, t in BATCH_VERIFY],
+        [(r, t / 1000) for r, t in BATCH_DRAFT],
+    )
+
+
+def test_the_batch_plan_finds_drafting_that_pays_only_for_all_together() -> None:
+    # One request drafting K = 3 alone decodes 7 rows (dear) for 2.3 more tokens: it does not
+    # pay. All four drafting K = 3 decode 16 rows (cheap): 87 tok/s against target-only's 71.
+    assert plan(0.88, 4) == [3, 3, 3, 3]
+    assert plan(0.3, 4) == [0, 0, 0, 0]
