@@ -553,8 +553,7 @@ void Engine::step() {
     // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
     target_batch_.clear();
     for (Generation* g : decoding_) g->add_verify_rows(target_batch_);
-    const size_t joined =
-        add_prompt_chunks(std::min(prefill_budget, n_batch - target_batch_.size()));
+    add_prompt_chunks(std::min(prefill_budget, n_batch - target_batch_.size()));
     if (target_batch_.size() == 0) return;
     const auto verify_start = Clock::now();
     decode(*target_, target_batch_);
@@ -563,8 +562,7 @@ void Engine::step() {
     // After the decode: their rows in it had to be decoded in place.
     for (const auto& [seq, error] : failed_) retire(seq, error);
     if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
-    // Shared: the decode held more than one sequence (one that joined is in both lists).
-    accept_all(t_verify, decoding_.size() + prefilled_.size() - joined > 1);
+    accept_all(t_verify, decoding_.size() + prefilled_.size() > 1);
 }
 
 void Engine::choose_ks(int row_cap) {
@@ -597,10 +595,9 @@ void Engine::draft_all() {
     for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model_[i] ? seconds : 0);
 }
 
-size_t Engine::add_prompt_chunks(int budget) {
+void Engine::add_prompt_chunks(int budget) {
     prefilled_.clear();
     failed_.clear();
-    size_t joined = 0;
     for (Generation* g : prefilling_) {
         if (budget <= 0) break;
         try {
@@ -608,18 +605,8 @@ size_t Engine::add_prompt_chunks(int budget) {
             prefilled_.push_back(g);
         } catch (...) {  // its draft's decode failed
             failed_.emplace_back(g->seq(), std::current_exception());
-            continue;
-        }
-        // A prompt read to its end decodes its last token in the same decode: its first token
-        // comes out of this step, not the next (as llama-server does it).
-        if (!g->prefilling() && budget > 0) {
-            g->add_first_row(target_batch_);
-            decoding_.push_back(g);
-            --budget;
-            ++joined;
         }
     }
-    return joined;
 }
 
 void Engine::accept_all(double t_verify, bool shared) {

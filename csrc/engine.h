@@ -126,8 +126,7 @@ class Engine {
     // The phases of a step, over decoding_ and prefilling_.
     void choose_ks(int row_cap);
     void draft_all();
-    // Into target_batch_; returns how many prompts read to their end joined with their first row.
-    size_t add_prompt_chunks(int budget);
+    void add_prompt_chunks(int budget);  // into target_batch_
     void accept_all(double t_verify, bool shared);
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);

@@ -83,14 +83,6 @@ int Generation::add_prefill(Batch& batch, int budget) {
 
 void Generation::prefill_decoded(double seconds) { stats().t_prompt += seconds; }
 
-void Generation::add_first_row(Batch& batch) {
-    k_ = 0;
-    copying_ = false;
-    forget_draft();
-    drafted(0.0);
-    add_verify_rows(batch);
-}
-
 void Generation::check_stop() {
     if (finished()) return;
     if (channel_->cancel_requested()) {

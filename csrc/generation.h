@@ -144,9 +144,6 @@ class Generation {
     int add_prefill(Batch& batch, int budget);
     // After the decode holding the prefill rows.
     void prefill_decoded(double seconds);
-    // Once the prompt is read: this step's K is 0, and its one row (the prompt's last token)
-    // joins the batch that read the prompt's end.
-    void add_first_row(Batch& batch);
 
     // Ends the request if it was cancelled, ran past its deadline or filled its context.
     void check_stop();

@@ -64,8 +64,6 @@ def test_auto_copies_spans_longer_than_a_model_draft(gemma3: Path) -> None:
     )
     with sd.SpeculativeDecoder(gemma3, "ngram", n_ctx=1024) as dec:
         base = dec.generate(prompt, 64, n_draft=0)
-        # Evicts the prompt from the cache, so that both runs read it the same way.
-        dec.generate("Hello", 1, n_draft=0)
         spec = dec.generate(prompt, 64, n_draft="auto")
     assert PASSAGE[:60] in base.text
     assert_same_or_near_tie(spec, base, BATCHED_NEAR_TIE_GAP)
