@@ -51,6 +51,16 @@ void bind_testing(py::module_ m) {
         py::arg("expected"), py::arg("caps"), py::arg("other_rows"), py::arg("verify"),
         py::arg("draft"), "Each sequence's K for a batch; see csrc/policy.h.");
     m.def(
+        "observe_batch_costs",
+        [](std::vector<std::pair<int, double>> verify, std::vector<std::pair<int, double>> draft,
+           const std::vector<std::pair<int, double>>& decodes) {
+            BatchCosts costs(std::move(verify), std::move(draft));
+            for (const auto& [rows, seconds] : decodes) costs.observe_verify(rows, seconds);
+            return costs.verify_points();
+        },
+        py::arg("verify"), py::arg("draft"), py::arg("decodes"),
+        "The verify points after the (rows, seconds) decodes; see BatchCosts::observe_verify.");
+    m.def(
         "set_wrong_residual", [](bool on) { wrong_residual_for_tests.store(on); }, py::arg("on"),
         "While on, a rejected draft resamples from p instead of norm(max(0, p - q)): a wrong "
         "rule, for the distribution tests to show that they catch it.");

@@ -547,7 +547,7 @@ void Engine::step() {
     const int row_cap = std::max(1, (n_batch - (prefilling_.empty() ? 0 : prefill_budget)) /
                                         std::max<int>(1, static_cast<int>(decoding_.size())));
     choose_ks(row_cap);
-    if (decoding_.size() > 1) plan_ks(decoding_, prefilling_.empty() ? 0 : prefill_budget);
+    if (decoding_.size() > 1) plan_ks(decoding_, prompt_rows(prefill_budget));
     draft_all();
 
     // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
@@ -558,6 +558,7 @@ void Engine::step() {
     const auto verify_start = Clock::now();
     decode(*target_, target_batch_);
     const double t_verify = seconds_since(verify_start);
+    learn_batch_cost(target_batch_.size(), t_verify);
     for (Generation* g : prefilled_) g->prefill_decoded(t_verify);
     // After the decode: their rows in it had to be decoded in place.
     for (const auto& [seq, error] : failed_) retire(seq, error);
@@ -640,8 +641,20 @@ void Engine::size_prefill_chunk(double t_decode, bool with_prefill) {
         prefill_chunk_ = std::min(target_->n_batch(), 2 * prefill_chunk_);
 }
 
+int Engine::prompt_rows(int budget) const {
+    int rows = 0;
+    for (const Generation* g : prefilling_) rows += g->prompt_left();
+    return std::min(rows, budget);
+}
+
+void Engine::learn_batch_cost(int rows, double seconds) {
+    if (batch_costs_.empty()) return;
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    batch_costs_.observe_verify(rows, seconds);
+}
+
 void Engine::plan_ks(const std::vector<Generation*>& decoding, int prefill_rows) {
-    // batch_costs_ is written only on this thread (calibration): read without a copy.
+    // batch_costs_ is written only on this thread: read without a copy.
     if (batch_costs_.empty()) return;
     plan_gens_.clear();
     plan_caps_.clear();

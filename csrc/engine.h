@@ -130,6 +130,10 @@ class Engine {
     void accept_all(double t_verify, bool shared);
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
+    // The rows waiting prompts add to this step, at most `budget`.
+    int prompt_rows(int budget) const;
+    // The batch cost table learns from each target decode.
+    void learn_batch_cost(int rows, double seconds);
     // Learns the next prompt chunk's size from this step's decode time.
     void size_prefill_chunk(double t_decode, bool with_prefill);
     void retire(int seq, std::exception_ptr error = nullptr);

@@ -139,6 +139,8 @@ class Generation {
     // Whether the target's cache still lacks part of the prompt (all of it but the last token,
     // which the first step decodes).
     bool prefilling() const { return prefilled_ + 1 < req_.prompt.size(); }
+    // The prompt's tokens not yet in the target's cache (the last is decoded with the first step).
+    int prompt_left() const { return static_cast<int>(req_.prompt.size() - 1 - prefilled_); }
     // Adds up to `budget` of the prompt's missing tokens to the target's batch (no logits) and
     // decodes as many into the draft's cache. Returns how many it added.
     int add_prefill(Batch& batch, int budget);

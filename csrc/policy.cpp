@@ -443,6 +443,27 @@ BatchCosts::BatchCosts(std::vector<std::pair<int, double>> verify,
                 throw std::invalid_argument(
                     "batch costs need rows increasing from 1 and finite seconds >= 0");
     if (verify_.empty()) throw std::invalid_argument("batch costs need the target's");
+    verify_seen_.assign(verify_.size(), 1);
+}
+
+void BatchCosts::observe_verify(int rows, double seconds) {
+    // The mean of a size's decodes, and past kBatchCostWeight of them a moving average: costs
+    // drift with the context's length, and one decode may be slow (a shared machine).
+    constexpr int kBatchCostWeight = 8;
+    if (rows < 1 || verify_.empty() || !std::isfinite(seconds) || seconds <= 0.0) return;
+    const double estimate = verify(rows);
+    const double sample = std::clamp(seconds, kCostSampleMin * estimate, kCostSampleMax * estimate);
+    const auto it = std::lower_bound(verify_.begin(), verify_.end(), rows,
+                                     [](const auto& point, int n) { return point.first < n; });
+    const auto i = static_cast<size_t>(it - verify_.begin());
+    if (it == verify_.end() || it->first != rows) {
+        verify_.insert(it, {rows, sample});
+        verify_seen_.insert(verify_seen_.begin() + static_cast<std::ptrdiff_t>(i), 1);
+        return;
+    }
+    const int seen = std::min(verify_seen_[i] + 1, kBatchCostWeight);
+    verify_seen_[i] = seen;
+    it->second += (sample - it->second) / seen;
 }
 
 double BatchCosts::at(const std::vector<std::pair<int, double>>& points, int rows) {

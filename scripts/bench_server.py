@@ -1,11 +1,13 @@
 """End-to-end speed of OpenAI-compatible servers: specdec's against llama.cpp's llama-server,
 on the same pair, on this machine, in one run.
 
-    .venv/bin/python scripts/bench_server.py [--rounds 2] [-n 64] [-c 1,2,4,8] [TARGET DRAFT]
+    .venv/bin/python scripts/bench_server.py [--rounds 2] [-n 64] [-c 1,2,4,8] [--warm] [TARGET DRAFT]
 
-Each server is started on a loopback port, warmed up, and sent the same streamed completion
-requests at each concurrency (greedy, `max_tokens` each; 2 x concurrency requests, concurrency
-at a time). A round runs every server and concurrency once, the servers in a rotated order.
+Each server is started on a loopback port, warmed up (one short request; with --warm also one
+untimed batch of other prompts at each concurrency, as a server that has been serving for a
+while: specdec's `auto` has then learnt the pair's acceptance), and sent the same streamed
+completion requests at each concurrency (greedy, `max_tokens` each; 2 x concurrency requests,
+concurrency at a time). A round runs every server and concurrency once, the servers in a rotated order.
 Servers: specdec with one slot per concurrent stream (batched), specdec with one slot (requests
 one at a time, the same engine), and llama-server with as many slots, each slot with the same
 context. Reported: aggregate generated tokens per second (all requests' tokens over the wall
@@ -35,6 +37,14 @@ PROMPTS = [
     "def merge_sort(xs):\n    ",
     "List the planets of the solar system with one fact about each:\n1.",
     "Explain how a bicycle stays upright, in plain words.",
+]
+# What a server has served before the timed batches (--warm): other prompts, so that the timed
+# ones are not in its prompt cache.
+WARM_PROMPTS = [
+    "The French Revolution began in 1789 when",
+    "Here is a recipe for a simple tomato soup. Ingredients:",
+    "Q: What is the capital of Australia?\nA:",
+    "import numpy as np\n\ndef normalize(v):\n",
 ]
 
 
@@ -78,10 +88,12 @@ def one_request(url: str, prompt: str, n: int) -> tuple[float, int, float]:
     return (first if first is not None else total), tokens, total
 
 
-def run_batch(url: str, concurrency: int, n: int) -> tuple[float, list[float], list[float]]:
+def run_batch(
+    url: str, concurrency: int, n: int, prompts: list[str] = PROMPTS
+) -> tuple[float, list[float], list[float]]:
     """(aggregate tok/s, TTFTs, latencies) of 2 x `concurrency` requests, `concurrency` at a
     time."""
-    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(2 * concurrency)]
+    jobs = [prompts[i % len(prompts)] for i in range(2 * concurrency)]
     start = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: one_request(url, p, n), jobs))
@@ -101,6 +113,12 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-c", "--concurrency", default="1,2,4,8")
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="before the timed batches, serve one untimed batch of other prompts at each "
+        "concurrency: a server that has been running, against one just started",
+    )
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     slots = str(max(levels))
@@ -150,12 +168,15 @@ def main() -> None:
             try:
                 wait_ready(url, proc)
                 one_request(url, "Hello", 8)  # warm-up
+                for c in levels if args.warm else []:
+                    run_batch(url, c, args.n, WARM_PROMPTS)
                 for c in levels:
                     results.setdefault((name, c), []).append(run_batch(url, c, args.n))
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
-    print(f"{args.target.name} + {args.draft.name}, {args.n} tokens per request, greedy")
+    state = "after one untimed batch at each concurrency" if args.warm else "just started"
+    print(f"{args.target.name} + {args.draft.name}, {args.n} tokens per request, greedy, {state}")
     print(
         "| server | concurrency | aggregate tok/s | median TTFT (s) | latency p50 / max (s) "
         "| rounds (tok/s) |"

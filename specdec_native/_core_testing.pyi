@@ -9,6 +9,11 @@ def plan_batch(
     verify: list[tuple[int, float]],
     draft: list[tuple[int, float]],
 ) -> list[int]: ...
+def observe_batch_costs(
+    verify: list[tuple[int, float]],
+    draft: list[tuple[int, float]],
+    decodes: list[tuple[int, float]],
+) -> list[tuple[int, float]]: ...
 
 class AdaptivePolicy:
     LOOK_BACK: int

@@ -553,3 +553,40 @@ def test_the_batch_plan_finds_drafting_that_pays_only_for_all_together() -> None
     # pay. All four drafting K = 3 decode 16 rows (cheap): 87 tok/s against target-only's 71.
     assert plan(0.88, 4) == [3, 3, 3, 3]
     assert plan(0.3, 4) == [0, 0, 0, 0]
+
+
+def seconds(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    return [(r, t / 1000) for r, t in points]
+
+
+def test_a_batch_size_never_measured_gets_the_cost_its_decodes_take() -> None:
+    # Calibration measures 12 and 16 rows; 14 is interpolated (116 ms) until a decode of 14
+    # rows says otherwise (150 ms on this CPU).
+    after = testing.observe_batch_costs(seconds(BATCH_VERIFY), seconds(BATCH_DRAFT), [(14, 0.150)])
+    assert (14, pytest.approx(0.150)) in after
+    assert [r for r, _ in after] == sorted({r for r, _ in BATCH_VERIFY} | {14})
+
+
+def test_a_measured_batch_size_moves_to_the_mean_of_its_decodes() -> None:
+    after = dict(
+        testing.observe_batch_costs(
+            seconds(BATCH_VERIFY), seconds(BATCH_DRAFT), [(16, 0.124), (16, 0.130)]
+        )
+    )
+    # Calibration's 118 ms counts as one decode: (118 + 124 + 130) / 3.
+    assert after[16] == pytest.approx(0.124)
+    # One decode slowed by a busy machine moves a cost by at most 1.5x of it, halfway.
+    assert dict(
+        testing.observe_batch_costs(seconds(BATCH_VERIFY), seconds(BATCH_DRAFT), [(4, 5.0)])
+    )[4] == pytest.approx((0.056 + 1.5 * 0.056) / 2)
+
+
+def test_the_plan_leaves_a_batch_size_its_decodes_found_dear() -> None:
+    # Three sequences that accept well and one that does not: interpolated, 13 rows (three at
+    # K = 3, one at K = 0) look as cheap as 12. Found dearer than 16, the plan drafts for all.
+    expected = [expected_tokens(0.9, 4)] * 3 + [expected_tokens(0.1, 4)]
+    verify = seconds(BATCH_VERIFY)
+    draft = seconds(BATCH_DRAFT)
+    assert testing.plan_batch(expected, [4] * 4, 0, verify, draft) == [3, 3, 3, 0]
+    learnt = testing.observe_batch_costs(verify, draft, [(13, 0.136)] * 3)
+    assert testing.plan_batch(expected, [4] * 4, 0, learnt, draft) == [3, 3, 3, 3]
