@@ -34,34 +34,7 @@ py::str to_str(const std::string& s) {
 
 py::dict stats_dict(const Stats& s) {
     py::dict d;
-    d["n_prompt"] = s.n_prompt;
-    d["n_prompt_cached"] = s.n_prompt_cached;
-    d["n_generated"] = s.n_generated;
-    d["n_target_passes"] = s.n_target_passes;
-    d["n_drafted"] = s.n_drafted;
-    d["n_accepted"] = s.n_accepted;
-    d["n_cut"] = s.n_cut;
-    d["n_speculative_steps"] = s.n_speculative_steps;
-    d["n_fallback_steps"] = s.n_fallback_steps;
-    d["fallback_reason"] = s.fallback_reason;
-    d["draft_error"] = s.draft_error;
-    d["n_look_backs"] = s.n_look_backs;
-    d["n_shared_steps"] = s.n_shared_steps;
-    d["recalibrated"] = s.recalibrated;
-    d["steps_at_k"] = s.steps_at_k;
-    d["drafted_by_model"] = s.drafted_by[0];
-    d["accepted_by_model"] = s.accepted_by[0];
-    d["drafted_by_ngram"] = s.drafted_by[1];
-    d["accepted_by_ngram"] = s.accepted_by[1];
-    d["n_argmax_drafted"] = s.n_argmax_drafted;
-    d["accepted_at"] = s.accepted_at;
-    d["proposed_at"] = s.proposed_at;
-    d["t_queue"] = s.t_queue;
-    d["t_prompt"] = s.t_prompt;
-    d["t_first_token"] = s.t_first_token;
-    d["t_draft"] = s.t_draft;
-    d["t_verify"] = s.t_verify;
-    d["t_total"] = s.t_total;
+    s.visit([&](const char* name, const auto& value) { d[name] = value; });
     return d;
 }
 

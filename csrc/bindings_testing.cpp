@@ -43,9 +43,9 @@ void bind_testing(py::module_ m) {
            std::vector<std::pair<int, double>> draft) {
             if (expected.size() != caps.size())
                 throw py::value_error("need one list of expected tokens per cap");
-            std::vector<int> k;
+            std::vector<int> k, trial;
             plan_batch(expected, caps, other_rows, BatchCosts(std::move(verify), std::move(draft)),
-                       k);
+                       k, trial);
             return k;
         },
         py::arg("expected"), py::arg("caps"), py::arg("other_rows"), py::arg("verify"),

@@ -671,7 +671,7 @@ void Engine::plan_ks(const std::vector<Generation*>& decoding, int prefill_rows)
     plan_expected_.resize(plan_gens_.size());
     for (size_t i = 0; i < plan_gens_.size(); ++i)
         plan_gens_[i]->expected_tokens(plan_caps_[i], plan_expected_[i]);
-    plan_batch(plan_expected_, plan_caps_, other_rows, batch_costs_, plan_k_);
+    plan_batch(plan_expected_, plan_caps_, other_rows, batch_costs_, plan_k_, plan_trial_);
     // A request learns its acceptance only from the drafts it makes: cut to K = 0 step after
     // step, its estimates would never move, however well its draft would do now. So every
     // kBatchProbeInterval-th step the plan cuts keeps each request's own K instead.

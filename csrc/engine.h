@@ -188,7 +188,7 @@ class Engine {
     std::vector<std::pair<int, std::exception_ptr>> failed_;  // (seq, error) of this step
     // plan_ks's: the adaptive sequences, their K caps, expected tokens and planned K
     std::vector<Generation*> plan_gens_;
-    std::vector<int> plan_caps_, plan_k_;
+    std::vector<int> plan_caps_, plan_k_, plan_trial_;
     static constexpr int kBatchProbeInterval = 8;
     int steps_since_batch_probe_ = 0;  // steps the plan cut since requests last drafted freely
     std::vector<std::vector<double>> plan_expected_;

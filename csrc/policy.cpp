@@ -499,7 +499,8 @@ double BatchCosts::step(const std::vector<int>& k, int other_rows) const {
 }
 
 void plan_batch(const std::vector<std::vector<double>>& expected, const std::vector<int>& caps,
-                int other_rows, const BatchCosts& costs, std::vector<int>& k) {
+                int other_rows, const BatchCosts& costs, std::vector<int>& k,
+                std::vector<int>& trial) {
     const size_t n = expected.size();
     k.assign(n, 0);
     auto rate = [&](const std::vector<int>& ks) {
@@ -518,7 +519,6 @@ void plan_batch(const std::vector<std::vector<double>>& expected, const std::vec
     double best = rate(k);
     int most = 0;
     for (size_t i = 0; i < n; ++i) most = std::max(most, cap_of(i));
-    thread_local std::vector<int> trial;  // reused: this runs every step
     trial.resize(n);
     for (int u = 1; u <= most; ++u) {
         for (size_t i = 0; i < n; ++i) trial[i] = std::min(u, cap_of(i));

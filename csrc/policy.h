@@ -61,9 +61,11 @@ class BatchCosts {
 // makes the target's decode dearer per row, K comes down, to 0 for all when speculating no
 // longer pays. expected[i][k] (k = 0..caps[i]) is sequence i's expected tokens from a step
 // drafting k.
-// Writes the K's into `k`.
+// Writes the K's into `k`; `trial` is the caller's scratch (kept between steps, so that a step
+// allocates nothing).
 void plan_batch(const std::vector<std::vector<double>>& expected, const std::vector<int>& caps,
-                int other_rows, const BatchCosts& costs, std::vector<int>& k);
+                int other_rows, const BatchCosts& costs, std::vector<int>& k,
+                std::vector<int>& trial);
 
 // Picks K to maximise expected committed tokens per second,
 //     E[tokens](K) / (t_draft(K) + t_verify(K + 1)),

@@ -42,6 +42,39 @@ struct Stats {
         if (proposed_at.size() < static_cast<size_t>(k)) proposed_at.resize(k, 0);
         for (int i = 0; i < k; ++i) ++proposed_at[i];
     }
+    // Every field under the name callers see (drafted_by and accepted_by split by source): the
+    // one list the bindings build a request's stats from.
+    template <typename Field>
+    void visit(Field&& field) const {
+        field("n_prompt", n_prompt);
+        field("n_prompt_cached", n_prompt_cached);
+        field("n_generated", n_generated);
+        field("n_target_passes", n_target_passes);
+        field("n_drafted", n_drafted);
+        field("n_accepted", n_accepted);
+        field("n_cut", n_cut);
+        field("n_speculative_steps", n_speculative_steps);
+        field("n_fallback_steps", n_fallback_steps);
+        field("fallback_reason", fallback_reason);
+        field("draft_error", draft_error);
+        field("n_look_backs", n_look_backs);
+        field("n_shared_steps", n_shared_steps);
+        field("recalibrated", recalibrated);
+        field("steps_at_k", steps_at_k);
+        field("drafted_by_model", drafted_by[0]);
+        field("accepted_by_model", accepted_by[0]);
+        field("drafted_by_ngram", drafted_by[1]);
+        field("accepted_by_ngram", accepted_by[1]);
+        field("n_argmax_drafted", n_argmax_drafted);
+        field("accepted_at", accepted_at);
+        field("proposed_at", proposed_at);
+        field("t_queue", t_queue);
+        field("t_prompt", t_prompt);
+        field("t_first_token", t_first_token);
+        field("t_draft", t_draft);
+        field("t_verify", t_verify);
+        field("t_total", t_total);
+    }
     void count_acceptance(int n) {
         n_accepted += n;
         if (accepted_at.size() < proposed_at.size()) accepted_at.resize(proposed_at.size(), 0);

@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union
@@ -83,7 +83,8 @@ def _close_open_decoders() -> None:
 
 @dataclass(frozen=True)
 class Stats:
-    """Counters and timers of one generation (times in seconds)."""
+    """Counters and timers of one generation (times in seconds): the engine's (csrc/stats.h,
+    whose Stats::visit names them), with their types and the rates derived from them."""
 
     n_prompt: int
     n_prompt_cached: int  # prompt tokens already in the slot's cache (an earlier request's)
@@ -669,7 +670,7 @@ class SpeculativeDecoder:
 
     def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         """Yields text pieces as they are generated (same arguments as generate()).
 
         Generation runs in a worker thread; closing the iterator early (break, or an exception
@@ -715,7 +716,6 @@ class SpeculativeDecoder:
                 elif kind == "error":
                     raise value
                 else:
-                    self.last_result: GenerationResult | None = value
                     return
         finally:
             if not done.is_set():
@@ -739,15 +739,13 @@ class SpeculativeDecoder:
 
     async def astream(
         self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """stream() for asyncio code: yields text pieces as they are generated, without blocking
         the event loop. Leaving the loop early (break, an exception, a cancelled task) stops the
         generation."""
         async for item in self.astream_events(prompt, max_tokens, **kwargs):
             if isinstance(item, str):
                 yield item
-            else:
-                self.last_result = item
 
     async def astream_events(
         self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
