@@ -542,24 +542,23 @@ def bench(
                 f"unknown prompt(s): {', '.join(unknown)}; have {', '.join(prompts)}"
             )
         prompts = {x: prompts[x] for x in names}
+    # What both benchmarks take.
+    setup: dict[str, Any] = dict(
+        prompts=prompts,
+        ks=k_values,
+        temperatures=temperatures,
+        max_tokens=max_tokens,
+        repeats=repeats,
+        seed=seed,
+        n_ctx=n_ctx,
+        n_threads=n_threads,
+        n_gpu_layers=n_gpu_layers,
+        progress=progress,
+    )
     if vs_llama_cpp:
         if draft is None:
             raise click.UsageError("--vs-llama-cpp needs a draft model or --draft ngram")
-        comparison = vs.compare(
-            target,
-            draft,
-            prompts=prompts,
-            ks=k_values,
-            temperatures=temperatures,
-            max_tokens=max_tokens,
-            repeats=repeats,
-            seed=seed,
-            n_ctx=n_ctx,
-            n_threads=n_threads,
-            n_gpu_layers=n_gpu_layers,
-            tools=vs.find_tools(llama_cpp_bin),
-            progress=progress,
-        )
+        comparison = vs.compare(target, draft, tools=vs.find_tools(llama_cpp_bin), **setup)
         click.echo(vs.format_summary(comparison))
         if json_out:
             json_out.write_text(json.dumps(comparison.as_dict(), indent=1))
@@ -567,20 +566,7 @@ def bench(
             vs.plot(comparison, plot_out)
             progress(f"plot written to {plot_out}")
         return
-    report = b.run_bench(
-        target,
-        draft,
-        prompts=prompts,
-        ks=k_values,
-        temperatures=temperatures,
-        max_tokens=max_tokens,
-        repeats=repeats,
-        n_ctx=n_ctx,
-        n_threads=n_threads,
-        n_gpu_layers=n_gpu_layers,
-        seed=seed,
-        progress=progress,
-    )
+    report = b.run_bench(target, draft, **setup)
     click.echo(b.format_table(report))
     if "auto" in k_values and draft:
         click.echo("\n" + b.ADAPTIVE_TITLE)

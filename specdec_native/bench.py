@@ -9,10 +9,12 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from specdec_native import comparison as cmp
 from specdec_native.decoder import SpeculativeDecoder, Stats
+
+T = TypeVar("T")
 
 # A varied built-in set: code, prose, grounded copying, structured output, chat.
 BUILTIN_PROMPTS: dict[str, str] = {
@@ -214,6 +216,25 @@ def _prefixed(progress: Callable[[str], None], prefix: str) -> Callable[[str], N
     return lambda msg: progress(prefix + msg)
 
 
+def rotated(configs: Sequence[T], round_index: int) -> list[T]:
+    """The order of round `round_index`: every configuration once, rotated each round, so that
+    a slow spell on a shared machine lands on all of them rather than on whichever ran then."""
+    shift = round_index % len(configs)
+    return [*configs[shift:], *configs[:shift]]
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (no display needed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'specdec[plot]'") from e
+    return plt
+
+
 def _interleaved_runs(
     dec: SpeculativeDecoder,
     text: str,
@@ -224,13 +245,11 @@ def _interleaved_runs(
     seed: int,
     progress: Callable[[str], None],
 ) -> dict[int | str, list[Stats]]:
-    """Every configuration once per round, in an order rotated each round, so that a slow spell
-    on a shared machine lands on all of them rather than on whichever ran then."""
+    """Every configuration once per round, in rotated order."""
     runs: dict[int | str, list[Stats]] = {k: [] for k in configs}
     for rep in range(repeats):
         progress(f"round {rep + 1}/{repeats}")
-        shift = rep % len(configs)
-        for k in [*configs[shift:], *configs[:shift]]:
+        for k in rotated(configs, rep):
             r = dec.generate(text, max_tokens, n_draft=k, temperature=temp, seed=seed + rep)
             runs[k].append(r.stats)
     return runs
@@ -511,13 +530,7 @@ def load_prompts(path: Path) -> dict[str, str]:
 
 
 def plot(report: BenchReport, out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib: pip install 'specdec[plot]'") from e
+    plt = pyplot()
     rows = aggregate(report)
     temps = sorted({r["temperature"] for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))

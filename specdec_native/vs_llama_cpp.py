@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec_native.bench import machine_info
+from specdec_native.bench import machine_info, pyplot, rotated
 from specdec_native.decoder import SpeculativeDecoder
 
 # Where scripts/build_llama_cpp_tools.sh leaves the binaries.
@@ -185,8 +185,7 @@ def compare(
                 rows = {c: Row(c[0], _label(c[1]), temp, name) for c in configs}
                 for rep in range(repeats):
                     progress(f"T={temp:g} {name}: round {rep + 1}/{repeats}")
-                    shift = rep % len(configs)
-                    for engine, cfg in [*configs[shift:], *configs[:shift]]:
+                    for engine, cfg in rotated(configs, rep):
                         if engine == "specdec":
                             r = dec.generate(
                                 text, max_tokens, n_draft=cfg, temperature=temp, seed=seed + rep
@@ -279,13 +278,7 @@ def format_summary(report: Comparison) -> str:
 
 
 def plot(report: Comparison, out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib: pip install 'specdec[plot]'") from e
+    plt = pyplot()
     rows = summary(report)
     temps = list(dict.fromkeys(r["temperature"] for r in rows))
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
