@@ -130,7 +130,7 @@ def main() -> None:
     slots = max(levels)
     batched = sd.SpeculativeDecoder(args.target, args.draft, n_parallel=slots)
     single = sd.SpeculativeDecoder(args.target, args.draft, n_parallel=1)
-    configs = {
+    configs: dict[str, tuple[sd.SpeculativeDecoder, int | str]] = {
         f"batched (n_parallel={slots}), auto": (batched, "auto"),
         "one at a time (n_parallel=1), auto": (single, "auto"),
         f"batched (n_parallel={slots}), target only": (batched, 0),

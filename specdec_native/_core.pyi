@@ -4,7 +4,9 @@ from collections.abc import Callable
 from typing import Any
 
 # Test builds only (SPECDEC_TEST_HOOKS): specdec_native._core.testing.
-from specdec_native import _core_testing as testing  # noqa: F401
+from specdec_native import _core_testing
+
+testing = _core_testing
 
 class ModelLoadError(RuntimeError): ...
 class VocabMismatchError(ValueError): ...

@@ -16,7 +16,7 @@ from specdec_native import models
 CLI = [sys.executable, "-m", "cli.main"]
 
 
-def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str | Path, stdin: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, *map(str, args)],
         input=stdin,

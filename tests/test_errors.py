@@ -69,7 +69,9 @@ def test_vocab_mismatch(smollm2: Path, tiny_pair: models.ModelPair) -> None:
         {"draft_rule": "greedy"},
     ],
 )
-def test_bad_generate_arguments(tiny_decoder: sd.SpeculativeDecoder, kwargs: dict) -> None:  # type: ignore[type-arg]
+def test_bad_generate_arguments(
+    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict[str, Any]
+) -> None:
     args = {"max_tokens": 5, **kwargs}
     with pytest.raises(ValueError):
         tiny_decoder.generate("the", **args)
@@ -96,7 +98,7 @@ def test_invalid_utf8_surrogates(tiny_decoder: sd.SpeculativeDecoder) -> None:
 @pytest.mark.parametrize(
     "kwargs", [{"n_draft": -1}, {"n_draft": 65}, {"n_ctx": 0}, {"n_batch": 0}, {"n_threads": 0}]
 )
-def test_bad_constructor_arguments(tiny_pair: models.ModelPair, kwargs: dict) -> None:  # type: ignore[type-arg]
+def test_bad_constructor_arguments(tiny_pair: models.ModelPair, kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, **kwargs)
 
@@ -122,8 +124,8 @@ def test_use_after_close(tiny_pair: models.ModelPair) -> None:
     ],
 )
 def test_integers_beyond_the_engines_range(
-    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict
-) -> None:  # type: ignore[type-arg]
+    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict[str, Any]
+) -> None:
     with pytest.raises(ValueError, match="must be in"):
         tiny_decoder.generate("the", **{"max_tokens": 3, **kwargs})
 
@@ -136,7 +138,9 @@ def test_prompt_token_beyond_int32(tiny_decoder: sd.SpeculativeDecoder) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"n_gpu_layers": 10**12}, {"draft_n_gpu_layers": 2**31}])
-def test_constructor_integers_beyond_int32(tiny_pair: models.ModelPair, kwargs: dict) -> None:  # type: ignore[type-arg]
+def test_constructor_integers_beyond_int32(
+    tiny_pair: models.ModelPair, kwargs: dict[str, Any]
+) -> None:
     with pytest.raises(ValueError, match="must be in"):
         sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, **kwargs)
 
@@ -173,9 +177,9 @@ def test_a_model_path_of_the_wrong_type() -> None:
 )
 def test_bad_chat_messages(
     smollm2_q40: Path,
-    message: dict,
+    message: dict[str, Any],
     error: type,
-    match: str,  # type: ignore[type-arg]
+    match: str,
 ) -> None:
     with sd.SpeculativeDecoder(smollm2_q40, n_ctx=256) as dec:
         with pytest.raises(error, match=match):
@@ -197,15 +201,16 @@ def test_a_deep_target_over_llamas_layer_limit(smollm2: Path) -> None:
 def test_numpy_numbers_are_numbers(tiny_decoder: sd.SpeculativeDecoder) -> None:
     import numpy as np
 
+    # generate()'s annotations say int and float; the engine takes numpy's numbers as well.
     r = tiny_decoder.generate(
-        [np.int64(1), np.int32(300)],
-        np.int64(4),
-        n_draft=np.int64(2),
-        seed=np.uint64(5),
-        temperature=np.float32(0.5),
+        [np.int64(1), np.int32(300)],  # type: ignore[list-item]
+        np.int64(4),  # type: ignore[arg-type]
+        n_draft=np.int64(2),  # type: ignore[arg-type]
+        seed=np.uint64(5),  # type: ignore[arg-type]
+        temperature=np.float32(0.5),  # type: ignore[arg-type]
     )
     assert len(r.tokens) == 4
-    assert tiny_decoder.generate(np.array([1, 300]), 2).tokens  # an array of ids, too
+    assert tiny_decoder.generate(np.array([1, 300]), 2).tokens  # type: ignore[arg-type]  # an array of ids, too
 
 
 @pytest.mark.parametrize(
@@ -219,7 +224,7 @@ def test_numpy_numbers_are_numbers(tiny_decoder: sd.SpeculativeDecoder) -> None:
     ],
 )
 def test_floats_the_engine_cannot_hold(
-    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict[str, float], match: str
+    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict[str, Any], match: str
 ) -> None:
     with pytest.raises(ValueError, match=match):
         tiny_decoder.generate("the", 3, **kwargs)

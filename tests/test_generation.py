@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ def test_transforms_shape_the_first_token(deep_decoder: sd.SpeculativeDecoder) -
 
 @pytest.mark.parametrize("transform", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
 def test_a_transform_that_keeps_only_the_best_token_samples_greedily(
-    tiny_decoder: sd.SpeculativeDecoder, transform: dict[str, float]
+    tiny_decoder: sd.SpeculativeDecoder, transform: dict[str, Any]
 ) -> None:
     greedy = tiny_decoder.generate([1, 300, 270], 40)
     r = tiny_decoder.generate([1, 300, 270], 40, temperature=1.5, seed=7, **transform)

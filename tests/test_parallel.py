@@ -59,7 +59,7 @@ def run_together(
 def test_concurrent_greedy_requests_give_what_each_gives_alone(
     parallel: sd.SpeculativeDecoder,
 ) -> None:
-    calls = [{"prompt": p, "max_tokens": 40} for p in PROMPTS]
+    calls: list[dict[str, Any]] = [{"prompt": p, "max_tokens": 40} for p in PROMPTS]
     alone = [parallel.generate(**c) for c in calls]
     together = run_together(parallel, calls)
     for a, t in zip(alone, together):
@@ -143,7 +143,7 @@ def test_more_requests_than_slots_wait_their_turn(deep_pair: models.ModelPair) -
 
 def test_a_long_prompt_joins_running_streams_in_chunks(parallel: sd.SpeculativeDecoder) -> None:
     long_prompt = "Numbers, one after another: " + ", ".join(str(i) for i in range(150))
-    calls = [{"prompt": p, "max_tokens": 40} for p in PROMPTS[:2]]
+    calls: list[dict[str, Any]] = [{"prompt": p, "max_tokens": 40} for p in PROMPTS[:2]]
     calls.append({"prompt": long_prompt, "max_tokens": 8})
     alone = [parallel.generate(**c) for c in calls]
     together = run_together(parallel, calls)
@@ -158,7 +158,7 @@ def test_a_long_prompt_joins_running_streams_in_chunks(parallel: sd.SpeculativeD
 def test_ngram_drafting_in_parallel(deep_pair: models.ModelPair) -> None:
     text = "one two three four five six seven eight nine ten. " * 4
     with sd.SpeculativeDecoder(deep_pair.target, "ngram", n_draft=4, n_parallel=3) as dec:
-        calls = [{"prompt": text + p, "max_tokens": 24} for p in PROMPTS[:3]]
+        calls: list[dict[str, Any]] = [{"prompt": text + p, "max_tokens": 24} for p in PROMPTS[:3]]
         alone = [dec.generate(**c) for c in calls]
         together = run_together(dec, calls)
     for a, t in zip(alone, together):

@@ -523,11 +523,11 @@ def test_rejects_bad_hindsight() -> None:
 
 
 # A batch's costs on this kind of CPU (ms): decodes of a multiple of 4 rows are cheap.
-BATCH_VERIFY = [
+BATCH_VERIFY: list[tuple[int, float]] = [
     (1, 40), (2, 52), (3, 63), (4, 56), (5, 71), (6, 82), (7, 93), (8, 86), (9, 100),
     (10, 112), (11, 123), (12, 114), (16, 118), (20, 148),
 ]  # fmt: skip
-BATCH_DRAFT = [(1, 8.2), (2, 10.9), (4, 11.8), (8, 17.7)]
+BATCH_DRAFT: list[tuple[int, float]] = [(1, 8.2), (2, 10.9), (4, 11.8), (8, 17.7)]
 
 
 def expected_tokens(acceptance: float, cap: int) -> list[float]:
@@ -563,7 +563,7 @@ def test_a_batch_size_never_measured_gets_the_cost_its_decodes_take() -> None:
     # Calibration measures 12 and 16 rows; 14 is interpolated (116 ms) until a decode of 14
     # rows says otherwise (150 ms on this CPU).
     after = testing.observe_batch_costs(seconds(BATCH_VERIFY), seconds(BATCH_DRAFT), [(14, 0.150)])
-    assert (14, pytest.approx(0.150)) in after
+    assert (14, pytest.approx(0.150)) in after  # type: ignore[comparison-overlap]
     assert [r for r, _ in after] == sorted({r for r, _ in BATCH_VERIFY} | {14})
 
 

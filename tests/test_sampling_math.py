@@ -13,7 +13,8 @@ from specdec_native._core import testing
 
 def softmax(x: np.ndarray, t: float) -> np.ndarray:
     z = np.exp((x - x.max()) / t)
-    return z / z.sum()
+    p: np.ndarray = z / z.sum()
+    return p
 
 
 LOGITS = np.random.default_rng(0).normal(size=500).astype(np.float32) * 3

@@ -21,6 +21,7 @@ from typing import IO
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from specdec_native import models
 
@@ -120,7 +121,9 @@ def test_chat_completion(client: openai.OpenAI, chat_server: Server) -> None:
 
 
 def test_streamed_chat_is_the_same_text_with_usage(client: openai.OpenAI) -> None:
-    messages = [{"role": "user", "content": "Count from one to five."}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Count from one to five."}
+    ]
     whole = client.chat.completions.create(
         model="smol", messages=messages, max_tokens=16, temperature=0, extra_body=GREEDY_TARGET_ONLY
     )
