@@ -665,7 +665,7 @@ void Engine::plan_ks(const std::vector<Generation*>& decoding, int prefill_rows)
             continue;
         }
         plan_gens_.push_back(g);
-        plan_caps_.push_back(g->k());
+        plan_caps_.push_back(g->plan_cap());
     }
     if (plan_gens_.empty()) return;
     plan_expected_.resize(plan_gens_.size());
@@ -675,11 +675,13 @@ void Engine::plan_ks(const std::vector<Generation*>& decoding, int prefill_rows)
     // A request learns its acceptance only from the drafts it makes: cut to K = 0 step after
     // step, its estimates would never move, however well its draft would do now. So every
     // kBatchProbeInterval-th step the plan cuts keeps each request's own K instead.
-    if (plan_k_ != plan_caps_ && ++steps_since_batch_probe_ >= kBatchProbeInterval) {
+    bool cut = false;
+    for (size_t i = 0; i < plan_gens_.size(); ++i) cut = cut || plan_k_[i] < plan_gens_[i]->k();
+    if (cut && ++steps_since_batch_probe_ >= kBatchProbeInterval) {
         steps_since_batch_probe_ = 0;
         return;
     }
-    for (size_t i = 0; i < plan_gens_.size(); ++i) plan_gens_[i]->limit_k(plan_k_[i]);
+    for (size_t i = 0; i < plan_gens_.size(); ++i) plan_gens_[i]->set_k(plan_k_[i]);
 }
 
 // ---------------------------------------------------------------- decodes and measurements

@@ -108,6 +108,7 @@ int Generation::draft_cap() const {
 
 int Generation::choose_k(int row_cap) {
     const int cap = std::min(draft_cap(), row_cap - 1);
+    cap_ = std::max(cap, 0);
     if (!adaptive_) {
         k_ = std::max(0, std::min(n_draft_, cap));
         return k_;
@@ -129,6 +130,11 @@ int Generation::choose_k(int row_cap) {
     }
     k_ = std::max(k, 0);
     return k_;
+}
+
+int Generation::plan_cap() const {
+    if (copying_ || !parts_.drafter) return k_;
+    return std::min({cap_, policy_.max_k(), static_cast<int>(policy_.verify_costs().size()) - 1});
 }
 
 // Under `auto`, an n-gram match is drafted when copying it is expected to commit tokens faster

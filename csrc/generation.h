@@ -156,7 +156,11 @@ class Generation {
     // (a copy or the draft model), for batch planning.
     void expected_tokens(int cap, std::vector<double>& out) const;
     // Lowers this step's K (a batch planner's decision).
-    void limit_k(int k) { k_ = std::min(k_, k); }
+    // The most a batch plan may give this request this step: a copy keeps its own length, a
+    // model draft anything up to the step's cap. Its own choice comes from one sequence's costs,
+    // where its rows in a shared decode may cost nearly nothing (filling 13 rows up to 16).
+    int plan_cap() const;
+    void set_k(int k) { k_ = k; }
     int k() const { return k_; }
     // Starts this step's draft (the last one forgotten) from n-gram matches, when configured;
     // false when it found none (or k is 0).
@@ -225,6 +229,7 @@ class Generation {
     std::vector<llama_token> seq_;  // prompt + committed tokens
     size_t prefilled_ = 0;          // prompt tokens the target's cache holds
     int k_ = 0;                     // this step's K
+    int cap_ = 0;                   // the most this step may draft
     size_t base_ = 0;               // position of the first draft token
     int first_row_ = 0;             // this sequence's first row in the target's batch
     Draft draft_;
