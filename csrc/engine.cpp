@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
 
 #include "errors.h"
@@ -102,6 +103,10 @@ Engine::Engine(const EngineConfig& config)
     install_log_handler(config.verbose);
     if (config.n_draft < 0 || config.n_draft > kMaxDraft)
         throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
+    if (config.ngram_min < 1 || config.ngram_max < config.ngram_min || config.ngram_max > 16)
+        throw std::invalid_argument("need 1 <= ngram_min <= ngram_max <= 16, got " +
+                                    std::to_string(config.ngram_min) + " and " +
+                                    std::to_string(config.ngram_max));
     if (config.n_parallel < 1 || config.n_parallel > kMaxParallel)
         throw std::invalid_argument("n_parallel must be in [1, " + std::to_string(kMaxParallel) +
                                     "]");
@@ -129,9 +134,6 @@ Engine::Engine(const EngineConfig& config)
         drafter_ = std::make_unique<ModelDrafter>(
             *draft_, kMaxDraft, [this](Model& m, const Batch& b) { decode(m, b); });
     }
-    if (config.ngram &&
-        (config.ngram_min < 1 || config.ngram_max < config.ngram_min || config.ngram_max > 16))
-        throw std::invalid_argument("need 1 <= ngram_min <= ngram_max <= 16");
     slots_.resize(static_cast<size_t>(config.n_parallel));
     last_used_.assign(static_cast<size_t>(config.n_parallel), 0);
 }
@@ -183,9 +185,18 @@ void Engine::check_tokens(const std::vector<llama_token>& tokens) const {
 void Engine::check_request(const GenerateRequest& request) const {
     validate(request.sampling);
     if (request.prompt.empty()) throw std::invalid_argument("the prompt has no tokens");
-    if (request.max_tokens < 1) throw std::invalid_argument("max_tokens must be >= 1");
-    if (request.n_draft > kMaxDraft)
-        throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
+    if (request.max_tokens < 1)
+        throw std::invalid_argument("max_tokens must be >= 1, got " +
+                                    std::to_string(request.max_tokens));
+    // -1 is the engine's K; a request's own is 0..kMaxDraft.
+    if (request.n_draft < -1 || request.n_draft > kMaxDraft)
+        throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) +
+                                    "], got " + std::to_string(request.n_draft));
+    if (!(request.draft_p_min >= 0.0f && request.draft_p_min <= 1.0f))
+        throw std::invalid_argument("draft_p_min must be in [0, 1], got " +
+                                    std::to_string(request.draft_p_min));
+    if (!(request.timeout >= 0.0) || std::isinf(request.timeout))
+        throw std::invalid_argument("timeout must be a finite number of seconds >= 0 (0: none)");
     for (const auto& s : request.stop)
         if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
     check_tokens(request.prompt);

@@ -26,7 +26,7 @@ from specdec_native import _core, calibration
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT: int = _core.MAX_DRAFT  # the longest draft a step may verify
 MAX_PARALLEL: int = _core.MAX_PARALLEL  # the most requests one decoder serves at once
-INT32_MAX = (1 << 31) - 1  # the engine's counts and token ids are 32-bit
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # the engine's counts and token ids are 32-bit
 FLOAT32_TINY, FLOAT32_MAX = 1e-30, 1e38  # sampling settings are 32-bit floats in the engine
 AUTO = "auto"
 DRAFT_RULES = ("auto", "sample", "argmax")  # generate(draft_rule=...)
@@ -188,17 +188,29 @@ class GenerationResult:
         }
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
+# Argument checks: here, what this layer needs to hand a value over (a type, a size the engine's
+# 32-bit fields hold, what None and "auto" stand for); in the engine, what a value must be to
+# mean something (max_tokens >= 1, top_p in (0, 1], ...), once for every caller.
+
+
+def _check_int(name: str, value: Any, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
     """An integer (numpy's too) in [lo, hi]."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise ArgumentTypeError(f"{name} must be an integer, got {value!r}")
     v = operator.index(value)
+    if hi == INT32_MAX and lo > INT32_MIN and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
     if not lo <= v <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
     return v
 
 
-def _check_float(name: str, value: Any, ok: Callable[[float], bool], rule: str) -> float:
+def _check_float(
+    name: str,
+    value: Any,
+    ok: Callable[[float], bool] = lambda _: True,
+    rule: str = "a finite number",
+) -> float:
     """A finite number (numpy's too) passing `ok`, that the engine's 32-bit floats can hold."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a number, got {value!r}")
@@ -274,8 +286,6 @@ def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
     items = [stop] if isinstance(stop, str) else list(stop)
     for s in items:
         _check_text("a stop string", s)
-        if s == "":
-            raise ValueError("stop strings must not be empty")
     return items
 
 
@@ -322,13 +332,14 @@ class SpeculativeDecoder:
         if draft is not None and os.fspath(draft) == NGRAM:
             draft, ngram = None, True
         draft_path = None if draft is None else _check_model_path("draft", draft)
-        _check_int("ngram_min", ngram_min, 1, 16)
-        _check_int("ngram_max", ngram_max, ngram_min, 16)
+        _check_int("ngram_min", ngram_min)
+        _check_int("ngram_max", ngram_max)
         self._adaptive = _is_auto(n_draft)
-        fixed_k = 4 if self._adaptive else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
+        # Under "auto" every request is adaptive unless it names its own K: no default K.
+        fixed_k = 0 if self._adaptive else _check_int("n_draft", n_draft)
         _check_int("n_ctx", n_ctx, 16, 1 << 20)
         _check_int("n_batch", n_batch, 1, 1 << 16)
-        _check_int("n_parallel", n_parallel, 1, MAX_PARALLEL)
+        _check_int("n_parallel", n_parallel)
         threads = 0 if n_threads is None else _check_int("n_threads", n_threads, 1, 1024)
         _check_int("n_gpu_layers", n_gpu_layers, -1)
         d_ngl = n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers
@@ -552,8 +563,6 @@ class SpeculativeDecoder:
             tokens = self.tokenize(prompt, add_special=True, parse_special=True)
         else:
             tokens = [_check_int("prompt token", t, 0) for t in prompt]
-        if not tokens:
-            raise ValueError("the prompt has no tokens")
         return tokens
 
     def generate(
@@ -598,18 +607,19 @@ class SpeculativeDecoder:
         """
         engine = self._live()
         tokens = self._prompt_tokens(prompt)
-        _check_int("max_tokens", max_tokens, 1)
-        temperature = _check_float("temperature", temperature, lambda v: v >= 0, "finite and >= 0")
-        _check_int("top_k", top_k, 0)
-        top_p = _check_float("top_p", top_p, lambda v: 0 < v <= 1, "in (0, 1]")
-        min_p = _check_float("min_p", min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check_int("max_tokens", max_tokens)
+        temperature = _check_float("temperature", temperature)
+        _check_int("top_k", top_k)
+        top_p = _check_float("top_p", top_p)
+        min_p = _check_float("min_p", min_p)
         if seed is None:
             seed = random.getrandbits(64)
         _check_int("seed", seed, 0, (1 << 64) - 1)
         stops = _check_stop(stop)
         adaptive = self._adaptive if n_draft is None else _is_auto(n_draft)
-        k = -1 if n_draft is None or adaptive else _check_int("n_draft", n_draft, 0, MAX_DRAFT)
-        p_min = _check_float("draft_p_min", draft_p_min, lambda v: 0 <= v <= 1, "in [0, 1]")
+        # -1: the decoder's K (this layer's None), so a K of the caller's is >= 0.
+        k = -1 if n_draft is None or adaptive else _check_int("n_draft", n_draft, 0)
+        p_min = _check_float("draft_p_min", draft_p_min)
         if draft_rule not in DRAFT_RULES:
             raise ValueError(
                 f"draft_rule must be one of {', '.join(DRAFT_RULES)}, got {draft_rule!r}"
