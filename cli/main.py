@@ -181,8 +181,7 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
         ),
         (
             "target-only fallback",
-            f"{stats.n_fallback_steps} steps ({stats.fallback_reason}), "
-            f"{stats.n_look_backs} looks back"
+            f"{stats.n_fallback_steps} steps ({stats.fallback_reason})"
             if stats.n_fallback_steps or stats.fallback_reason
             else "none",
         ),

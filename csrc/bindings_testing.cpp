@@ -72,7 +72,6 @@ void bind_testing(py::module_ m) {
                  return AdaptivePolicy(config);
              }),
              py::arg("max_k") = 10)
-        .def_readonly_static("LOOK_BACK", &AdaptivePolicy::kLookBack)
         .def(
             "calibrate",
             [](AdaptivePolicy& p, std::vector<double> verify_costs,
@@ -80,8 +79,7 @@ void bind_testing(py::module_ m) {
                 p.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
             },
             py::arg("verify_costs"), py::arg("draft_costs"))
-        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("look_back") = false,
-             py::arg("sampled") = false)
+        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("sampled") = false)
         .def(
             "choose",
             [](AdaptivePolicy& p, int cap) {
@@ -117,7 +115,6 @@ void bind_testing(py::module_ m) {
             py::arg("k"), py::arg("n_accepted"), py::arg("t_draft"), py::arg("t_verify"),
             py::arg("caught_up") = 0, py::arg("t_catch_up") = 0.0,
             py::arg("accept_chance") = py::none())
-        .def("observe_hindsight", &AdaptivePolicy::observe_hindsight, py::arg("chance"))
         .def("acceptance", &AdaptivePolicy::acceptance)
         .def(
             "expected_rates",

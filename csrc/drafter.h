@@ -30,8 +30,4 @@ struct Draft {
     bool non_finite = false;
 };
 
-// Receives, for token t of the committed text, the draft's logits for the token after
-// committed[0..t): what it would have drafted there.
-using HindsightFn = std::function<void(size_t t, const float* logits)>;
-
 }  // namespace specdec

@@ -578,7 +578,7 @@ void Engine::step() {
 }
 
 void Engine::choose_ks(int row_cap) {
-    // A look back decodes for one sequence alone: its failure is that request's.
+    // A failure while choosing (an n-gram index out of memory, say) is that request's alone.
     for (Generation*& g : decoding_) {
         try {
             g->choose_k(row_cap);

@@ -61,13 +61,12 @@ void Generation::begin() {
     admitted_ = Clock::now();
     stats().t_queue = seconds_since(channel_->called);
     stats().n_prompt = static_cast<int>(req_.prompt.size());
-    if (adaptive_) policy_.begin_generation(looks_back(), !greedy());
+    if (adaptive_) policy_.begin_generation(!greedy());
     seq_ = req_.prompt;
     // The target's cache holds all committed tokens but the last, which each step decodes
     // together with the draft.
     prefilled_ = parts_.target.keep_common_prefix(seq_id_, seq_, seq_.size() - 1);
     stats().n_prompt_cached = static_cast<int>(prefilled_);
-    unseen_from_ = seq_.size();
 }
 
 int Generation::add_prefill(Batch& batch, int budget) {
@@ -119,11 +118,7 @@ int Generation::choose_k(int row_cap) {
         return k_;
     }
     std::string why;
-    int k = policy_.choose(cap, &why);
-    if (k == AdaptivePolicy::kLookBack) {
-        look_back();
-        k = policy_.choose(cap, &why);
-    }
+    const int k = policy_.choose(cap, &why);
     if (k == 0 && cap > 0) {
         ++stats().n_fallback_steps;
         if (!why.empty()) stats().fallback_reason = why;
@@ -171,30 +166,6 @@ void Generation::expected_tokens(int cap, std::vector<double>& out) const {
         copy_.expected_tokens(match_.length, cap, out);
     else
         policy_.expected_tokens(cap, out);
-}
-
-// Greedy requests only: a look back at sampled text (unbiased estimates of each token's chance
-// of acceptance) made `auto` draft more where drafting loses (docs/adaptive.md).
-// With n-gram drafting first, the text committed without a draft is not the draft model's to
-// score.
-bool Generation::looks_back() const {
-    return parts_.drafter != nullptr && !parts_.ngram && greedy();
-}
-
-// Asks the draft, for each token committed since it last drafted, whether it would have drafted
-// that token there (greedy: the draft's argmax), and tells the policy.
-void Generation::look_back() {
-    const auto start = Clock::now();
-    hindsight_.clear();
-    const int n_vocab = parts_.draft->n_vocab();
-    parts_.drafter->look_back(seq_id_, seq_, unseen_from_, [&](size_t t, const float* logits) {
-        const bool hit = all_finite(logits, n_vocab) && argmax(logits, n_vocab) == seq_[t];
-        hindsight_.push_back(hit ? 1.0 : 0.0);
-    });
-    policy_.observe_hindsight(hindsight_);
-    unseen_from_ = seq_.size();
-    ++stats().n_look_backs;
-    stats().t_draft += seconds_since(start);
 }
 
 void Generation::drop_drafting(const std::string& why) {
@@ -311,8 +282,6 @@ void Generation::accept(double t_verify, bool shared) {
         committed += commit(step_tokens_[j], step_margins_.empty() ? 0.0f : step_margins_[j]);
     stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
     hand_over_text();
-    // A look back scores the tokens committed since the draft last drafted.
-    if (!draft_.tokens.empty()) unseen_from_ = seq_.size();
     if (adaptive_) {
         StepOutcome outcome{static_cast<int>(k), n_accepted,       t_draft_step_,
                             t_step_verify,       draft_.caught_up, draft_.t_catch_up};

@@ -150,7 +150,7 @@ class Generation {
     // Ends the request if it was cancelled, ran past its deadline or filled its context.
     void check_stop();
     // The K this step wants, at most `row_cap` - 1 (the batch's room for this sequence): fixed,
-    // or the policy's choice (which may first look back at the text committed without it).
+    // a copy's length, or the policy's choice.
     int choose_k(int row_cap);
     // The expected tokens of a step drafting k = 0..cap tokens as this step would draft them
     // (a copy or the draft model), for batch planning.
@@ -195,8 +195,6 @@ class Generation {
     bool greedy() const { return req_.sampling.greedy(); }
     int draft_cap() const;
     bool choose_copy(int cap);
-    bool looks_back() const;
-    void look_back();
     void drop_drafting(const std::string& why);
     void forget_draft();
     const float* target_logits(size_t row);
@@ -241,8 +239,6 @@ class Generation {
     // acceptance of a sampled draft (sum min(p, q)) and of q's argmax (p(argmax q)).
     double chance_sampled_ = 0.0;
     double chance_argmax_ = 0.0;
-    size_t unseen_from_ = 0;  // seq_[unseen_from_..]: committed without a draft
-    std::vector<double> hindsight_;
     Distribution p_;
     SamplingWorkspace workspace_;
     GenerationResult result_;

@@ -35,21 +35,6 @@ size_t ModelDrafter::prefill(llama_seq_id seq, const std::vector<llama_token>& c
     return stop - common;
 }
 
-void ModelDrafter::look_back(llama_seq_id seq, const std::vector<llama_token>& committed,
-                             size_t first, const HindsightFn& score) {
-    if (committed.size() < 2) return;
-    const size_t end = committed.size() - 1;
-    const size_t common = model_.keep_common_prefix(seq, committed, end);
-    // Row t - 1 holds the logits for token t; positions are indices into `committed`.
-    decode_range(seq, committed, common, end, std::max<size_t>(first, 1) - 1, [&](const Batch& b) {
-        const llama_batch& raw = b.get();
-        for (int32_t row = 0; row < raw.n_tokens; ++row)
-            if (raw.logits[row])
-                score(static_cast<size_t>(raw.pos[row]) + 1,
-                      llama_get_logits_ith(model_.ctx(), row));
-    });
-}
-
 void ModelDrafter::catch_up_all(std::vector<Job>& jobs) {
     rows_.assign(jobs.size(), -1);
     // Each sequence's share of the shared decode. A longer catch-up (after steps without

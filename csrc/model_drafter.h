@@ -39,10 +39,6 @@ class ModelDrafter {
     // Decodes up to `budget` tokens of what the cache of `seq` lacks of committed[0..n-1) (a
     // prompt, ahead of the first draft); returns how many it decoded.
     size_t prefill(llama_seq_id seq, const std::vector<llama_token>& committed, size_t budget);
-    // Decodes all but the last committed token (the next draft decodes it, for its logits),
-    // with logits on the rows that score committed[first..]: `score` gets each one.
-    void look_back(llama_seq_id seq, const std::vector<llama_token>& committed, size_t first,
-                   const HindsightFn& score);
 
   private:
     // Appends tokens[from..to) to the cache of `seq`, logits on tokens[logits_from..];

@@ -105,9 +105,8 @@ std::vector<double> AdaptivePolicy::acceptance() const {
     return out;
 }
 
-void AdaptivePolicy::begin_generation(bool look_back, bool sampled) {
+void AdaptivePolicy::begin_generation(bool sampled) {
     cost_ratios_.clear();
-    looking_back_ = look_back;
     sampled_ = sampled;
     // What the last request taught keeps its direction but counts as little as evidence can:
     // this text's own first steps decide.
@@ -117,9 +116,8 @@ void AdaptivePolicy::begin_generation(bool look_back, bool sampled) {
     // longer than that (probes failing request after request) is kept: each probe after a long
     // fallback makes the draft catch up on every token it skipped, about 4 % of a target step
     // per token on this CPU, whether the probe pays or not.
-    // A look back needs text to look at: the first waits a few steps.
     probe_interval_ = std::max(probe_interval_, config_.close_call_probe_interval);
-    steps_since_probe_ = probe_interval_ - (looking_back_ ? config_.probe_interval : 1);
+    steps_since_probe_ = probe_interval_ - 1;
     phase_ = Phase::kSteady;
 }
 
@@ -274,7 +272,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
     // has paid since the last run that found nothing (the text has easier stretches: on the code
     // prompt of the layer-skip pair, doubling after `33 30` left it at target-only for 30 steps
     // where K = 3 gives 1.3x), and twice as long as the last wait otherwise.
-    if (phase_ == Phase::kProbing || phase_ == Phase::kProbingAfterLook) {
+    if (phase_ == Phase::kProbing) {
         const bool clearly_worse = rate[best_drafting] < rate[0] * (1.0 - kClearlyWorse);
         const int limit = clearly_worse
                               ? config_.max_probe_interval
@@ -288,28 +286,9 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
         phase_ = Phase::kProbing;
         return probe_again_k_ > 0 ? std::min(probe_again_k_, cap) : best_drafting;
     }
-    const bool looked = phase_ == Phase::kLooked;
     phase_ = Phase::kSteady;
-    // A look back that left speculating clearly slower is a probe that found nothing. One that
-    // left it a close call is followed by a real probe: a short stretch of text cannot settle
-    // a close call, and a probe that pays commits its tokens. That probe gets a second step if
-    // its first finds nothing (decide_on_probe): the look has scored a whole stretch, and one
-    // step can fail by where it starts. On the layer-skip pair's chat prompt the draft gets
-    // every other word of a two-word loop; a look scores that as position 1 always accepted,
-    // a probe that starts on the other word fails, and the step after it starts on the right
-    // one.
-    if (looked) {
-        if (rate[best_drafting] >= rate[0] * (1.0 - kClearlyWorse)) {
-            steps_since_probe_ = 0;
-            phase_ = Phase::kProbingAfterLook;
-            return best_drafting;
-        }
-        probe_interval_ = std::min(probe_interval_ * 2, config_.max_probe_interval);
-        probes_paid_ = false;
-    }
     if (++steps_since_probe_ >= probe_interval_) {
         steps_since_probe_ = 0;
-        if (looking_back_) return kLookBack;
         phase_ = Phase::kProbing;
         return probe_k(cap);
     }
@@ -339,10 +318,8 @@ AdaptivePolicy::Yield AdaptivePolicy::yield_of(const StepOutcome& step, int m) {
 void AdaptivePolicy::decide_on_probe(const StepOutcome& step) {
     probe_again_k_ = 0;
     const int k = step.k, n_accepted = step.n_accepted;
-    const bool after_look = phase_ == Phase::kProbingAfterLook;
     // A probe's step has been taken: the run of probes ends here unless it calls for another.
-    if (phase_ == Phase::kProbingAfterLook || phase_ == Phase::kProbeAgain)
-        phase_ = Phase::kProbing;
+    if (phase_ == Phase::kProbeAgain) phase_ = Phase::kProbing;
     if (phase_ != Phase::kProbing || k == 0) return;
     // A probe that paid (committed tokens faster than the target alone would have) is followed
     // by another, of the K the estimates now favour: the text may have turned easier, and one
@@ -357,31 +334,7 @@ void AdaptivePolicy::decide_on_probe(const StepOutcome& step) {
         // K never pay, and ones of K = 1 do.
         phase_ = Phase::kProbeAgain;
         probe_again_k_ = n_accepted;
-    } else if (after_look) {
-        phase_ = Phase::kProbeAgain;
-        probe_again_k_ = k;
     }
-}
-
-void AdaptivePolicy::observe_hindsight(const std::vector<double>& chance) {
-    for (double c : chance)
-        if (!(c >= 0.0 && c <= 1.0))
-            throw std::invalid_argument("hindsight chances must be in [0, 1]");
-    // As if the text had been drafted with K = max_k, step after step: each step tries the
-    // positions its accepted prefix reaches (fractionally, when sampling) and moves on past its
-    // expected accepted tokens and the target's one. Every position learns from the stretch as
-    // drafting would have, and steps, not tokens, set how fast old evidence fades.
-    const size_t n = chance.size(), depth = tries_.size();
-    for (size_t start = 0; start < n;) {
-        double reached = 1.0, expected = 0.0;
-        for (size_t j = 0; j < std::min(depth, n - start) && reached > 0.0; ++j) {
-            learn_at(j, reached, reached * chance[start + j]);
-            reached *= chance[start + j];
-            expected += reached;
-        }
-        start += 1 + static_cast<size_t>(std::lround(expected));
-    }
-    phase_ = Phase::kLooked;
 }
 
 void AdaptivePolicy::observe(const StepOutcome& step) {

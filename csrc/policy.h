@@ -87,14 +87,6 @@ void plan_batch(const std::vector<std::vector<double>>& expected, const std::vec
 // Acceptance evidence fades (down to a floor) with every drafting step that reaches its
 // position, and all of it with every step without a draft: while the policy falls back to the
 // target alone, what it learnt grows stale, so the next probe speaks with a louder voice.
-//
-// A probe is a drafting step taken blind. A model drafter can do better while the policy falls
-// back: before it drafts again it must catch up on every token committed without it anyway, and
-// the logits of that catch-up say, for each of those tokens, whether the draft would have
-// proposed it. Given all the positions before were accepted, a draft's context is the committed
-// text, so these are exactly the conditional acceptances the estimates track, for every
-// position, at the cost of one batched decode the next draft would have paid for. The engine
-// looks back in greedy requests only (docs/adaptive.md says why).
 class AdaptivePolicy {
   public:
     struct Config {
@@ -108,9 +100,6 @@ class AdaptivePolicy {
         int close_call_probe_interval = 16;
         int max_probe_interval = 256;
     };
-    // What choose() returns, in a request that looks back, when it wants a look before choosing.
-    static constexpr int kLookBack = -1;
-
     AdaptivePolicy();
     explicit AdaptivePolicy(Config config);
 
@@ -127,13 +116,10 @@ class AdaptivePolicy {
     bool calibrated() const { return !verify_cost_.empty(); }
 
     // A new request is new text: whatever the last one taught, look at this one soon.
-    // `look_back`: whether this request's drafter can score, in hindsight, the text committed
-    // while falling back (observe_hindsight). The policy then looks back where it would probe
-    // blind, and probes only where the look finds speculating a close call.
     // `sampled`: whether this request samples (T > 0), so that its steps report each
     // position's chance of acceptance; drafting then stops as soon as target-only looks
     // clearly faster, without the margin a greedy request's coin-flip evidence needs.
-    void begin_generation(bool look_back = false, bool sampled = false);
+    void begin_generation(bool sampled = false);
     // K for the next step, at most `cap`; 0 means target only. `why` explains a fallback.
     int choose(int cap, std::string* why);
     // Learns from what a step did. A catch-up of more than two tokens (after steps without
@@ -142,11 +128,6 @@ class AdaptivePolicy {
     // Learns the target's cost from a step whose draft this policy did not choose (an n-gram
     // copy): its verify cost, and whether the calibration looks wrong. No acceptance.
     void observe_verify_cost(const StepOutcome& step);
-    // Learns from what drafting would have met on the text committed since the draft last saw
-    // it: chance[i] is the chance a draft of that text's i-th token would have been accepted,
-    // given the text before it (greedy: 1 if the draft's argmax is that token, else 0). Throws
-    // std::invalid_argument for a chance outside [0, 1].
-    void observe_hindsight(const std::vector<double>& chance);
 
     // Whether any K could beat target-only even if every draft token were accepted. When not
     // (a draft nearly as slow as the target), the policy stops drafting for good: keeping the
@@ -215,21 +196,18 @@ class AdaptivePolicy {
     int probe_interval_ = 0;
     // Where the policy stands between choose() and observe(): each probe is one step.
     enum class Phase {
-        kSteady,            // no probe under way: drafting, or falling back and counting steps
-        kProbing,           // a probe: being taken, or taken and calling for no other
-        kProbingAfterLook,  // a probe after a look back that found a close call
+        kSteady,   // no probe under way: drafting, or falling back and counting steps
+        kProbing,  // a probe: being taken, or taken and calling for no other
         // The last probe paid, or its accepted prefix would have as a shorter draft: probe once
         // more, of probe_again_k_ tokens (0: the K the estimates favour).
         kProbeAgain,
-        kLooked,  // the estimates have just learnt from a look back
     };
     Phase phase_ = Phase::kSteady;
     int probe_again_k_ = 0;
     // A probe has paid since the last run of probes that found nothing; kept while drafting
     // and across requests: a text with easier stretches is looked at again soon.
     bool probes_paid_ = false;
-    bool looking_back_ = false;  // this request looks back instead of probing blind
-    bool sampled_ = false;       // this request samples: its evidence is chances
+    bool sampled_ = false;  // this request samples: its evidence is chances
 };
 
 }  // namespace specdec

@@ -18,7 +18,6 @@ struct Stats {
     int n_fallback_steps = 0;     // adaptive steps that chose target-only decoding
     std::string fallback_reason;  // why, when any did ("short request", "low acceptance")
     std::string draft_error;      // why drafting was dropped for this request ("" if it was not)
-    int n_look_backs = 0;         // times the draft caught up to score fallback text
     int n_shared_steps = 0;       // steps whose target decode held other requests' rows too
     bool recalibrated = false;    // its steps found the costs off; they were measured again
     std::vector<int> steps_at_k;  // [k]: steps that drafted k tokens
@@ -57,7 +56,6 @@ struct Stats {
         field("n_fallback_steps", n_fallback_steps);
         field("fallback_reason", fallback_reason);
         field("draft_error", draft_error);
-        field("n_look_backs", n_look_backs);
         field("n_shared_steps", n_shared_steps);
         field("recalibrated", recalibrated);
         field("steps_at_k", steps_at_k);

@@ -97,7 +97,6 @@ class Stats:
     n_fallback_steps: int
     fallback_reason: str
     draft_error: str  # why drafting was dropped for this request ("" when it was not)
-    n_look_backs: int
     n_shared_steps: int  # steps batched with other requests' rows in the target's decode
     recalibrated: bool  # its steps found the stored costs off; they were measured again after it
     steps_at_k: list[int]
