@@ -79,7 +79,7 @@ void bind_testing(py::module_ m) {
                 p.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
             },
             py::arg("verify_costs"), py::arg("draft_costs"))
-        .def("begin_generation", &AdaptivePolicy::begin_generation, py::arg("sampled") = false)
+        .def("begin_generation", &AdaptivePolicy::begin_generation)
         .def(
             "choose",
             [](AdaptivePolicy& p, int cap) {

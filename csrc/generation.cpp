@@ -61,7 +61,7 @@ void Generation::begin() {
     admitted_ = Clock::now();
     stats().t_queue = seconds_since(channel_->called);
     stats().n_prompt = static_cast<int>(req_.prompt.size());
-    if (adaptive_) policy_.begin_generation(!greedy());
+    if (adaptive_) policy_.begin_generation();
     seq_ = req_.prompt;
     // The target's cache holds all committed tokens but the last, which each step decodes
     // together with the draft.

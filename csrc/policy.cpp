@@ -41,9 +41,6 @@ constexpr size_t kHealSteps = 12;
 constexpr double kHealFactor = 1.5;
 constexpr int kHealContext = 512;
 
-// In a greedy request, target-only must look this much faster than the current K before
-// drafting stops (choose() says why; a sampled request needs only the hysteresis).
-constexpr double kLeaveMargin = 0.15;
 // Probing backs off only while the best K is expected to be this much slower than target-only.
 constexpr double kClearlyWorse = 0.1;
 
@@ -105,9 +102,8 @@ std::vector<double> AdaptivePolicy::acceptance() const {
     return out;
 }
 
-void AdaptivePolicy::begin_generation(bool sampled) {
+void AdaptivePolicy::begin_generation() {
     cost_ratios_.clear();
-    sampled_ = sampled;
     // What the last request taught keeps its direction but counts as little as evidence can:
     // this text's own first steps decide.
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);
@@ -243,18 +239,9 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
         if (rate[k] > rate[best]) best = k;
         if (rate[k] > rate[best_drafting]) best_drafting = k;
     }
-    // Hysteresis: keep the current K unless the best is clearly better. In a greedy request
-    // stopping drafting takes more: only drafting steps tell the policy anything, and there
-    // each position's evidence is a right/wrong draw, so a fallback on thin evidence (a few
-    // unlucky steps) lasts until a probe happens to contradict it, while drafting on a little
-    // longer than needed costs a few percent at most. A sampled request learns each
-    // position's chance of acceptance instead, without the draw's noise, and there the margin
-    // cost more than it saved: on the layer-skip pair at T = 0.8, the steps it kept drafting
-    // (target-only predicted 3-10 % faster) ran at 0.77-0.97x of target-only
-    // (docs/adaptive.md, "Hysteresis and limits").
-    const bool leaving = best == 0 && current_k_ > 0;
-    const double margin = leaving && !sampled_ ? kLeaveMargin : config_.hysteresis;
-    if (current_k_ >= 0 && current_k_ <= cap && rate[best] < rate[current_k_] * (1.0 + margin))
+    // Hysteresis: keep the current K unless the best is clearly better.
+    if (current_k_ >= 0 && current_k_ <= cap &&
+        rate[best] < rate[current_k_] * (1.0 + config_.hysteresis))
         best = current_k_;
     current_k_ = best;
     if (best > 0) {

@@ -116,10 +116,7 @@ class AdaptivePolicy {
     bool calibrated() const { return !verify_cost_.empty(); }
 
     // A new request is new text: whatever the last one taught, look at this one soon.
-    // `sampled`: whether this request samples (T > 0), so that its steps report each
-    // position's chance of acceptance; drafting then stops as soon as target-only looks
-    // clearly faster, without the margin a greedy request's coin-flip evidence needs.
-    void begin_generation(bool sampled = false);
+    void begin_generation();
     // K for the next step, at most `cap`; 0 means target only. `why` explains a fallback.
     int choose(int cap, std::string* why);
     // Learns from what a step did. A catch-up of more than two tokens (after steps without
@@ -207,7 +204,6 @@ class AdaptivePolicy {
     // A probe has paid since the last run of probes that found nothing; kept while drafting
     // and across requests: a text with easier stretches is looked at again soon.
     bool probes_paid_ = false;
-    bool sampled_ = false;  // this request samples: its evidence is chances
 };
 
 }  // namespace specdec

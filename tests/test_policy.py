@@ -296,14 +296,12 @@ def run_sampled(
     return ks, estimates
 
 
-def sampled_close_call(
-    seed: int, learn_from_chance: bool, sampled: bool = False
-) -> tuple[int, float]:
+def sampled_close_call(seed: int, learn_from_chance: bool) -> tuple[int, float]:
     """300 steps on a sampled text where every position is accepted with chance 0.65, where
     K = 0, 1 and 3 are all within a few percent of each other. Returns how often K changed and
     the mean position-1 estimate after the first 50 steps."""
     p = policy()
-    p.begin_generation(sampled=sampled)
+    p.begin_generation()
     ks, estimates = run_sampled(p, 300, 0.65, random.Random(seed), learn_from_chance)
     return sum(a != b for a, b in zip(ks, ks[1:])), sum(estimates[50:]) / 250
 
@@ -313,31 +311,24 @@ def test_when_sampling_estimates_follow_the_chance_of_acceptance_not_the_draw() 
     # falling back; every switch back costs a catch-up and a probe.
     from_draws = [sampled_close_call(seed, False) for seed in range(5)]
     assert sum(switches for switches, _ in from_draws) >= 25
-    # Learning from the chance the draw had (its mean, without the noise), K settles; in a
-    # sampled request too, where leaving drafting needs no more than switching K does.
+    # Learning from the chance the draw had (its mean, without the noise), K settles.
     for seed in range(5):
-        for sampled in (False, True):
-            switches, estimate = sampled_close_call(seed, True, sampled)
-            assert switches <= 2
-            assert estimate == pytest.approx(0.65, abs=0.02)
+        switches, estimate = sampled_close_call(seed, True)
+        assert switches <= 2
+        assert estimate == pytest.approx(0.65, abs=0.02)
 
 
-def test_a_sampled_request_stops_drafting_once_target_only_is_clearly_faster() -> None:
+def test_drafting_stops_once_target_only_is_clearly_faster() -> None:
     # A text the draft gets right 90 % of the time, then one where each position has a 0.6
-    # chance: there K = 3 is about 7 % slower than target-only (K = 1 2 %). A greedy request
-    # holds on to drafting through its 15 % margin; a sampled one, whose estimates are chances
-    # rather than draws, falls back once the estimates have moved.
-    def last_ks(sampled: bool) -> list[int]:
-        p = policy()
-        p.begin_generation(sampled=sampled)
-        rng = random.Random(3)
-        easy, _ = run_sampled(p, 40, 0.9, rng)
-        assert easy[-10:] == [3] * 10
-        hard, _ = run_sampled(p, 80, 0.6, rng)
-        return hard[-30:]
-
-    assert last_ks(sampled=False) == [3] * 30
-    assert last_ks(sampled=True).count(0) >= 25
+    # chance: there K = 3 is about 7 % slower than target-only (K = 1 2 %). The policy falls
+    # back once the estimates have moved.
+    p = policy()
+    p.begin_generation()
+    rng = random.Random(3)
+    easy, _ = run_sampled(p, 40, 0.9, rng)
+    assert easy[-10:] == [3] * 10
+    hard, _ = run_sampled(p, 80, 0.6, rng)
+    assert hard[-30:].count(0) >= 25
 
 
 def test_a_new_request_keeps_only_a_hint_of_the_last() -> None:
