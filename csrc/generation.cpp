@@ -117,12 +117,9 @@ int Generation::choose_k(int row_cap) {
         k_ = 0;
         return k_;
     }
-    std::string why;
-    const int k = policy_.choose(cap, &why);
-    if (k == 0 && cap > 0) {
-        ++stats().n_fallback_steps;
-        if (!why.empty()) stats().fallback_reason = why;
-    }
+    fallback_why_.clear();
+    const int k = policy_.choose(cap, &fallback_why_);
+    falling_back_ = k == 0 && cap > 0;
     k_ = std::max(k, 0);
     return k_;
 }
@@ -224,6 +221,12 @@ void Generation::drafted(double seconds) {
     t_draft_step_ += seconds;
     if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
     stats().count_proposal(static_cast<int>(draft_.tokens.size()));
+    // A fallback the batch plan overrode (drafting after all) is not one.
+    if (falling_back_ && k_ == 0) {
+        ++stats().n_fallback_steps;
+        if (!fallback_why_.empty()) stats().fallback_reason = fallback_why_;
+    }
+    falling_back_ = false;
     stats().drafted_by[static_cast<int>(draft_.source)] += static_cast<int>(draft_.tokens.size());
     if (draft_.point_mass) stats().n_argmax_drafted += static_cast<int>(draft_.tokens.size());
     stats().t_draft += t_draft_step_;

@@ -228,8 +228,10 @@ class Generation {
     size_t prefilled_ = 0;          // prompt tokens the target's cache holds
     int k_ = 0;                     // this step's K
     int cap_ = 0;                   // the most this step may draft
-    size_t base_ = 0;               // position of the first draft token
-    int first_row_ = 0;             // this sequence's first row in the target's batch
+    bool falling_back_ = false;     // this step's policy chose target-only (and why)
+    std::string fallback_why_;
+    size_t base_ = 0;    // position of the first draft token
+    int first_row_ = 0;  // this sequence's first row in the target's batch
     Draft draft_;
     double t_draft_step_ = 0.0;             // this step's drafting seconds
     std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
