@@ -559,22 +559,29 @@ def bench(
             raise click.UsageError("--vs-llama-cpp needs a draft model or --draft ngram")
         comparison = vs.compare(target, draft, tools=vs.find_tools(llama_cpp_bin), **setup)
         click.echo(vs.format_summary(comparison))
-        if json_out:
-            json_out.write_text(json.dumps(comparison.as_dict(), indent=1))
-        if plot_out:
-            vs.plot(comparison, plot_out)
-            progress(f"plot written to {plot_out}")
-        return
-    report = b.run_bench(target, draft, **setup)
-    click.echo(b.format_table(report))
-    if "auto" in k_values and draft:
-        click.echo("\n" + b.ADAPTIVE_TITLE)
-        click.echo(b.format_adaptive(report))
-    if json_out:
-        json_out.write_text(json.dumps(report.as_dict(), indent=1))
+        _write_outputs(comparison.as_dict(), json_out, plot_out, lambda p: vs.plot(comparison, p))
+    else:
+        report = b.run_bench(target, draft, **setup)
+        click.echo(b.format_table(report))
+        if "auto" in k_values and draft:
+            click.echo("\n" + b.ADAPTIVE_TITLE)
+            click.echo(b.format_adaptive(report))
+        _write_outputs(report.as_dict(), json_out, plot_out, lambda p: b.plot(report, p))
     if plot_out:
-        b.plot(report, plot_out)
         progress(f"plot written to {plot_out}")
+
+
+def _write_outputs(
+    data: dict[str, Any],
+    json_out: Path | None,
+    plot_out: Path | None,
+    plot: Callable[[Path], None],
+) -> None:
+    """A benchmark's --json and --plot files, where asked for."""
+    if json_out:
+        json_out.write_text(json.dumps(data, indent=1))
+    if plot_out:
+        plot(plot_out)
 
 
 @cli.command("bench-pool")

@@ -124,9 +124,14 @@ int Generation::choose_k(int row_cap) {
     return k_;
 }
 
+// The longest model draft the policy can weigh, at most `cap`.
+int Generation::model_cap(int cap) const {
+    return std::min({cap, policy_.max_k(), static_cast<int>(policy_.verify_costs().size()) - 1});
+}
+
 int Generation::plan_cap() const {
     if (copying_ || !parts_.drafter) return k_;
-    return std::min({cap_, policy_.max_k(), static_cast<int>(policy_.verify_costs().size()) - 1});
+    return model_cap(cap_);
 }
 
 // Under `auto`, an n-gram match is drafted when copying it is expected to commit tokens faster
@@ -148,9 +153,7 @@ bool Generation::choose_copy(int cap) {
     }
     if (best == 0) return false;
     if (parts_.drafter) {
-        const int model_cap =
-            std::min({cap, policy_.max_k(), static_cast<int>(policy_.verify_costs().size()) - 1});
-        for (double rate : policy_.expected_rates(model_cap))
+        for (double rate : policy_.expected_rates(model_cap(cap)))
             if (rate >= best_rate) return false;
     }
     k_ = best;

@@ -195,6 +195,7 @@ class Generation {
     bool greedy() const { return req_.sampling.greedy(); }
     int draft_cap() const;
     bool choose_copy(int cap);
+    int model_cap(int cap) const;
     void drop_drafting(const std::string& why);
     void forget_draft();
     const float* target_logits(size_t row);
