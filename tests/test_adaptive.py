@@ -106,7 +106,9 @@ def test_cost_curve_is_stored_and_reused(
     stored = list((tmp_path / "calibration").glob("*.json"))
     assert len(stored) == 1
     with _decoder(tiny_pair) as dec:
-        dec.generate("the cat", 20)
+        # Fewer steps than a request needs to judge the stored costs: the tiny pair's decodes
+        # take microseconds, and their timings are noise that may find them wrong.
+        dec.generate("the cat", 8)
         second = dec.policy_state()
     assert second["calibration"] == "cache" and second["calibration_seconds"] == 0
     assert len(second["verify_costs"]) == len(first["verify_costs"])
