@@ -217,8 +217,10 @@ def test_close_stops_a_generation_running_on_another_thread(tiny_pair: models.Mo
     worker.start()
     time.sleep(0.5)
     dec.close()  # returns once the generation has stopped
+    # The worker still has to return from generate() and store its result.
+    worker.join(timeout=30)
+    assert not worker.is_alive()
     assert out["r"].finish_reason == "cancelled" and 0 < len(out["r"].tokens) < 3000
-    worker.join()
     with pytest.raises(sd.EngineClosedError):
         dec.generate("Hi", 2)
 
