@@ -28,6 +28,8 @@ struct Draft {
     // The draft model's logits were NaN or infinite where it would have drafted next: the
     // draft stops there (the tokens before it are sound) and must not be trusted again.
     bool non_finite = false;
+    // The draft model stopped short of K: its probability of its next token was below p_min.
+    bool below_p_min = false;
 };
 
 }  // namespace specdec

@@ -180,6 +180,7 @@ void Generation::forget_draft() {
     draft_.caught_up = 0;
     draft_.t_catch_up = 0.0;
     draft_.non_finite = false;
+    draft_.below_p_min = false;
     t_draft_step_ = 0.0;
 }
 
@@ -224,6 +225,7 @@ void Generation::drafted(double seconds) {
     t_draft_step_ += seconds;
     if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
     stats().count_proposal(static_cast<int>(draft_.tokens.size()));
+    if (draft_.below_p_min) ++stats().n_p_min_stops;
     // A fallback the batch plan overrode (drafting after all) is not one.
     if (falling_back_ && k_ == 0) {
         ++stats().n_fallback_steps;

@@ -82,7 +82,10 @@ bool ModelDrafter::draft_next(Job& job, int row) {
         confidence = dist[token];
         q = &dist;
     }
-    if (i > 0 && confidence < job.p_min) return false;
+    if (i > 0 && confidence < job.p_min) {
+        out.below_p_min = true;
+        return false;
+    }
     out.tokens.push_back(token);
     out.q.push_back(q);
     return true;
@@ -97,6 +100,7 @@ void ModelDrafter::propose(std::vector<Job>& jobs) {
         out.source = DraftSource::kModel;
         out.point_mass = job.argmax && !job.sampling->greedy();
         out.non_finite = false;
+        out.below_p_min = false;
     }
     const auto start = std::chrono::steady_clock::now();
     catch_up_all(jobs);

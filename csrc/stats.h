@@ -16,6 +16,7 @@ struct Stats {
     int n_cut = 0;                // committed tokens dropped by EOG, a stop string or max_tokens
     int n_speculative_steps = 0;  // steps that drafted at least one token
     int n_fallback_steps = 0;     // adaptive steps that chose target-only decoding
+    int n_p_min_stops = 0;        // model drafts cut short by draft_p_min
     std::string fallback_reason;  // why, when any did ("short request", "low acceptance")
     std::string draft_error;      // why drafting was dropped for this request ("" if it was not)
     int n_shared_steps = 0;       // steps whose target decode held other requests' rows too
@@ -54,6 +55,7 @@ struct Stats {
         field("n_cut", n_cut);
         field("n_speculative_steps", n_speculative_steps);
         field("n_fallback_steps", n_fallback_steps);
+        field("n_p_min_stops", n_p_min_stops);
         field("fallback_reason", fallback_reason);
         field("draft_error", draft_error);
         field("n_shared_steps", n_shared_steps);

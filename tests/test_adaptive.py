@@ -55,8 +55,12 @@ def test_sampling_with_auto_and_p_min(tiny_pair: models.ModelPair) -> None:
         assert len(a.tokens) == 30
         assert_stats_add_up(a.stats, len(a.tokens))
         r = dec.generate("the cat", 30, n_draft=8, draft_p_min=0.99)
-        # With p_min near 1, drafts stop after their first token.
+        # With p_min near 1, drafts stop after their first token, each cut short there but
+        # where the tokens left capped K at 1; without one, none is.
         assert r.stats.n_drafted == r.stats.n_speculative_steps
+        assert r.stats.n_speculative_steps // 2 < r.stats.n_p_min_stops
+        assert r.stats.n_p_min_stops <= r.stats.n_speculative_steps
+        assert dec.generate("the cat", 30, n_draft=8).stats.n_p_min_stops == 0
 
 
 # Costs where drafting loses at the policy's prior (each position accepted with chance 0.7) and
