@@ -574,7 +574,9 @@ void Engine::step() {
     // After the decode: their rows in it had to be decoded in place.
     for (const auto& [seq, error] : failed_) retire(seq, error);
     if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
-    accept_all(t_verify, decoding_.size() + prefilled_.size() > 1);
+    const bool shared = decoding_.size() + prefilled_.size() > 1;
+    accept_all(decoding_, t_verify, shared);
+    accept_all(starting_, 0.0, shared);  // their decode is the prompt's (stats.t_prompt)
 }
 
 void Engine::choose_ks(int row_cap) {
@@ -609,6 +611,7 @@ void Engine::draft_all() {
 
 void Engine::add_prompt_chunks(int budget) {
     prefilled_.clear();
+    starting_.clear();
     failed_.clear();
     for (Generation* g : prefilling_) {
         if (budget <= 0) break;
@@ -617,12 +620,20 @@ void Engine::add_prompt_chunks(int budget) {
             prefilled_.push_back(g);
         } catch (...) {  // its draft's decode failed
             failed_.emplace_back(g->seq(), std::current_exception());
+            continue;
+        }
+        // The prompt's last chunk brings its first token with it: the time to the first token
+        // is one decode, not that and a speculative step.
+        if (!g->prefilling() && budget > 0) {
+            g->add_first_row(target_batch_);
+            --budget;
+            starting_.push_back(g);
         }
     }
 }
 
-void Engine::accept_all(double t_verify, bool shared) {
-    for (Generation* g : decoding_) {
+void Engine::accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared) {
+    for (Generation* g : gens) {
         try {
             g->accept(t_verify, shared);
         } catch (...) {

@@ -127,7 +127,7 @@ class Engine {
     void choose_ks(int row_cap);
     void draft_all();
     void add_prompt_chunks(int budget);  // into target_batch_
-    void accept_all(double t_verify, bool shared);
+    void accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared);
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
     // The rows waiting prompts add to this step, at most `budget`.
@@ -183,6 +183,7 @@ class Engine {
     std::vector<uint64_t> last_used_;                 // [seq]: when its request ended
     uint64_t clock_ = 0;
     std::vector<Generation*> decoding_, prefilling_, prefilled_;
+    std::vector<Generation*> starting_;  // this step's first tokens, from the prompt's last chunk
     // [i]: decoding_[i] drafts with the draft model this step
     std::vector<bool> by_model_;
     std::vector<std::pair<int, std::exception_ptr>> failed_;  // (seq, error) of this step

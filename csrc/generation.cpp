@@ -82,6 +82,14 @@ int Generation::add_prefill(Batch& batch, int budget) {
 
 void Generation::prefill_decoded(double seconds) { stats().t_prompt += seconds; }
 
+void Generation::add_first_row(Batch& batch) {
+    k_ = 0;
+    first_from_prefill_ = true;
+    forget_draft();
+    stats().count_proposal(0);
+    add_verify_rows(batch);
+}
+
 void Generation::check_stop() {
     if (finished()) return;
     if (channel_->cancel_requested()) {
@@ -290,7 +298,9 @@ void Generation::accept(double t_verify, bool shared) {
         committed += commit(step_tokens_[j], step_margins_.empty() ? 0.0f : step_margins_[j]);
     stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
     hand_over_text();
-    if (adaptive_) {
+    // The first token from the prompt's last chunk: no K was chosen, nothing to learn.
+    const bool chosen = !std::exchange(first_from_prefill_, false);
+    if (adaptive_ && chosen) {
         StepOutcome outcome{static_cast<int>(k), n_accepted,       t_draft_step_,
                             t_step_verify,       draft_.caught_up, draft_.t_catch_up};
         outcome.shared = shared;
@@ -304,9 +314,13 @@ void Generation::accept(double t_verify, bool shared) {
             policy_.observe(outcome);
         }
     }
-    // Positions at or past the first rejected draft hold keys/values of tokens that were not
-    // committed.
-    parts_.target.forget_from(seq_id_, static_cast<llama_pos>(base_ + i));
+    // Both caches roll back to the accepted prefix: positions at or past the first rejected
+    // draft token hold keys/values of tokens that were not committed (the draft's cache holds
+    // its draft but the last token, which it never decoded).
+    const auto accepted_end = static_cast<llama_pos>(base_ + i);
+    parts_.target.forget_from(seq_id_, accepted_end);
+    if (draft_.source == DraftSource::kModel && k > 1)
+        parts_.draft->forget_from(seq_id_, accepted_end);
 }
 
 // Greedy: the target's argmax at row i (the draft token when they agree).

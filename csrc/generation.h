@@ -146,6 +146,9 @@ class Generation {
     int add_prefill(Batch& batch, int budget);
     // After the decode holding the prefill rows.
     void prefill_decoded(double seconds);
+    // With the prompt's last chunk: appends its last token's row, with logits, so that the
+    // first token comes from the same decode (a step of K = 0; accept() reads it).
+    void add_first_row(Batch& batch);
 
     // Ends the request if it was cancelled, ran past its deadline or filled its context.
     void check_stop();
@@ -225,11 +228,12 @@ class Generation {
     bool drafting_dropped_ = false;
     bool drafts_with_model_ = false;  // the draft model may be asked (its cache is kept filled)
     Clock::time_point admitted_;
-    std::vector<llama_token> seq_;  // prompt + committed tokens
-    size_t prefilled_ = 0;          // prompt tokens the target's cache holds
-    int k_ = 0;                     // this step's K
-    int cap_ = 0;                   // the most this step may draft
-    bool falling_back_ = false;     // this step's policy chose target-only (and why)
+    std::vector<llama_token> seq_;     // prompt + committed tokens
+    size_t prefilled_ = 0;             // prompt tokens the target's cache holds
+    int k_ = 0;                        // this step's K
+    bool first_from_prefill_ = false;  // this step's row rode in the prompt's last chunk
+    int cap_ = 0;                      // the most this step may draft
+    bool falling_back_ = false;        // this step's policy chose target-only (and why)
     std::string fallback_why_;
     size_t base_ = 0;    // position of the first draft token
     int first_row_ = 0;  // this sequence's first row in the target's batch

@@ -33,8 +33,9 @@ class ModelDrafter {
     // argmax when greedy; a job stops early (after at least one token) when the draft's
     // probability of its next token is below p_min. One decode catches every sequence up with
     // its committed text, then one decode per draft position holds a token of each sequence
-    // still drafting. Catching up with, or rolling back to, the committed text is done here:
-    // the jobs give the whole sequence each time.
+    // still drafting. The jobs give the whole committed sequence: the catch-up decodes what the
+    // cache lacks of it, and keeps only their common prefix where the cache holds something
+    // else (a slot's earlier request). Generation::accept rolls back rejected draft tokens.
     void propose(std::vector<Job>& jobs);
     // Decodes up to `budget` tokens of what the cache of `seq` lacks of committed[0..n-1) (a
     // prompt, ahead of the first draft); returns how many it decoded.

@@ -54,6 +54,19 @@ def test_a_cache_hit_gives_what_a_cold_run_gives(
         assert len(warm.tokens) == len(base.tokens) == 24
 
 
+def test_a_cold_prompt_brings_the_first_token_with_its_decode(deep: sd.SpeculativeDecoder) -> None:
+    # Two tokens wanted at K = 3: the first comes with the prompt's decode (a step of K = 0),
+    # so the one step left has no room for a draft.
+    cold = deep.generate(HISTORY, 2)
+    assert cold.stats.n_prompt_cached == 0
+    assert cold.stats.steps_at_k == [2]
+    # The whole prompt cached, there is no prompt decode: the first step drafts.
+    cached = deep.generate(HISTORY, 2)
+    assert cached.stats.n_prompt_cached == cached.stats.n_prompt - 1
+    assert cached.stats.steps_at_k[1] == 1
+    assert cached.tokens == cold.tokens
+
+
 def test_a_shorter_prompt_after_a_longer_one(deep: sd.SpeculativeDecoder) -> None:
     deep.generate(HISTORY, 4)
     r = deep.generate(HISTORY[:40], 4)
