@@ -564,7 +564,7 @@ void Engine::step() {
     // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
     target_batch_.clear();
     for (Generation* g : decoding_) g->add_verify_rows(target_batch_);
-    add_prompt_chunks(std::min(prefill_budget, n_batch - target_batch_.size()));
+    add_prompt_chunks(prefill_budget, n_batch - target_batch_.size());
     if (target_batch_.size() == 0) return;
     const auto verify_start = Clock::now();
     decode(*target_, target_batch_);
@@ -609,14 +609,28 @@ void Engine::draft_all() {
     for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model_[i] ? seconds : 0);
 }
 
-void Engine::add_prompt_chunks(int budget) {
+namespace {
+// A waiting prompt's rows in this step: a short one whole (its stall on the running streams is
+// one step's either way, and chunks would only put off its first token), a longer one as much
+// of the step's chunk `budget` as longer ones have left.
+int prefill_share(const Generation& g, int budget) {
+    const int left = g.prompt_left();
+    return left <= Engine::kPrefillChunk ? left : std::min(left, budget);
+}
+}  // namespace
+
+void Engine::add_prompt_chunks(int budget, int room) {
     prefilled_.clear();
     starting_.clear();
     failed_.clear();
     for (Generation* g : prefilling_) {
-        if (budget <= 0) break;
+        const bool chunked = g->prompt_left() > kPrefillChunk;
+        const int share = std::min(prefill_share(*g, budget), room);
+        if (share <= 0) continue;
         try {
-            budget -= g->add_prefill(target_batch_, budget);
+            const int added = g->add_prefill(target_batch_, share);
+            room -= added;
+            if (chunked) budget -= added;
             prefilled_.push_back(g);
         } catch (...) {  // its draft's decode failed
             failed_.emplace_back(g->seq(), std::current_exception());
@@ -624,9 +638,9 @@ void Engine::add_prompt_chunks(int budget) {
         }
         // The prompt's last chunk brings its first token with it: the time to the first token
         // is one decode, not that and a speculative step.
-        if (!g->prefilling() && budget > 0) {
+        if (!g->prefilling() && room > 0) {
             g->add_first_row(target_batch_);
-            --budget;
+            --room;
             starting_.push_back(g);
         }
     }
@@ -665,8 +679,12 @@ void Engine::size_prefill_chunk(double t_decode, bool with_prefill) {
 
 int Engine::prompt_rows(int budget) const {
     int rows = 0;
-    for (const Generation* g : prefilling_) rows += g->prompt_left();
-    return std::min(rows, budget);
+    for (const Generation* g : prefilling_) {
+        const int share = prefill_share(*g, budget);
+        if (g->prompt_left() > kPrefillChunk) budget -= share;
+        rows += share + (share == g->prompt_left() ? 1 : 0);  // and its first token's row
+    }
+    return rows;
 }
 
 void Engine::learn_batch_cost(int rows, double seconds) {

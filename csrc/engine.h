@@ -43,9 +43,10 @@ class Engine {
   public:
     static constexpr int kMaxDraft = 64;
     static constexpr int kMaxParallel = 64;
-    // While other slots generate, a prompt is read in chunks that ride in their steps' target
-    // decodes, sized so that the streams go on (size_prefill_chunk): starting at this many
-    // tokens, never fewer than kMinPrefillChunk.
+    // While other slots generate, a prompt longer than this is read in chunks that ride in
+    // their steps' target decodes, sized so that the streams go on (size_prefill_chunk):
+    // starting at this many tokens, never fewer than kMinPrefillChunk. Shorter ones are read
+    // whole.
     static constexpr int kPrefillChunk = 32;
     static constexpr int kMinPrefillChunk = 8;
 
@@ -126,11 +127,13 @@ class Engine {
     // The phases of a step, over decoding_ and prefilling_.
     void choose_ks(int row_cap);
     void draft_all();
-    void add_prompt_chunks(int budget);  // into target_batch_
+    // Into target_batch_, at most `room` rows: short prompts whole, longer ones in chunks of at
+    // most `budget` rows in all.
+    void add_prompt_chunks(int budget, int room);
     void accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared);
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
-    // The rows waiting prompts add to this step, at most `budget`.
+    // The rows waiting prompts add to this step (add_prompt_chunks', room allowing).
     int prompt_rows(int budget) const;
     // The batch cost table learns from each target decode.
     void learn_batch_cost(int rows, double seconds);

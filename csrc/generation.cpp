@@ -80,7 +80,10 @@ int Generation::add_prefill(Batch& batch, int budget) {
     return added;
 }
 
-void Generation::prefill_decoded(double seconds) { stats().t_prompt += seconds; }
+void Generation::prefill_decoded(double seconds) {
+    stats().t_prompt += seconds;
+    ++stats().n_prompt_chunks;
+}
 
 void Generation::add_first_row(Batch& batch) {
     k_ = 0;

@@ -9,6 +9,7 @@ namespace specdec {
 struct Stats {
     int n_prompt = 0;             // prompt tokens
     int n_prompt_cached = 0;      // of them, already in the target's cache (not decoded again)
+    int n_prompt_chunks = 0;      // target decodes that read part of the rest
     int n_generated = 0;          // tokens in the result
     int n_target_passes = 0;      // target decodes after the prompt (one per step)
     int n_drafted = 0;            // draft tokens proposed
@@ -48,6 +49,7 @@ struct Stats {
     void visit(Field&& field) const {
         field("n_prompt", n_prompt);
         field("n_prompt_cached", n_prompt_cached);
+        field("n_prompt_chunks", n_prompt_chunks);
         field("n_generated", n_generated);
         field("n_target_passes", n_target_passes);
         field("n_drafted", n_drafted);

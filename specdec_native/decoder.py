@@ -88,6 +88,7 @@ class Stats:
 
     n_prompt: int
     n_prompt_cached: int  # prompt tokens already in the slot's cache (an earlier request's)
+    n_prompt_chunks: int  # target decodes that read the rest of the prompt
     n_generated: int
     n_target_passes: int
     n_drafted: int

@@ -145,14 +145,40 @@ def test_a_long_prompt_joins_running_streams_in_chunks(parallel: sd.SpeculativeD
     long_prompt = "Numbers, one after another: " + ", ".join(str(i) for i in range(150))
     calls: list[dict[str, Any]] = [{"prompt": p, "max_tokens": 40} for p in PROMPTS[:2]]
     calls.append({"prompt": long_prompt, "max_tokens": 8})
-    alone = [parallel.generate(**c) for c in calls]
+    # Together first, while the caches hold none of it.
     together = run_together(parallel, calls)
+    alone = [parallel.generate(**c) for c in calls]
     # Longer than one step can carry beside running streams (n_batch / 2 = 256): read in
     # several chunks, each riding in a step of the streams already running.
     assert together[2].stats.n_prompt > 256
+    assert together[2].stats.n_prompt_chunks > 1
     assert together[0].stats.n_shared_steps > 0
     for a, t in zip(alone, together):
         assert_same_or_near_tie(t, a, NEAR_TIE_GAP)
+
+
+def test_short_prompts_join_running_streams_whole(parallel: sd.SpeculativeDecoder) -> None:
+    # Three prompts of over 20 tokens arrive together while a stream runs: more than one chunk
+    # (32 tokens) in all, but each is read in one decode, its first token with it.
+    prompts = [
+        f"Question {i}: what do the old ships of the cold northern sea carry home in the long winter?"
+        for i in range(3)
+    ]
+    running = threading.Event()
+    streams: list[sd.GenerationResult] = []
+    first = threading.Thread(
+        target=lambda: streams.append(
+            parallel.generate(PROMPTS[0], 60, on_text=lambda _: running.set())
+        )
+    )
+    first.start()
+    assert running.wait(60)
+    joined = run_together(parallel, [{"prompt": p, "max_tokens": 4} for p in prompts])
+    first.join()
+    assert streams[0].stats.n_shared_steps > 0
+    for r in joined:
+        assert 20 < r.stats.n_prompt <= 32
+        assert r.stats.n_prompt_chunks == 1
 
 
 def test_ngram_drafting_in_parallel(deep_pair: models.ModelPair) -> None:
