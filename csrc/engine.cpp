@@ -636,9 +636,11 @@ void Engine::add_prompt_chunks(int budget, int room) {
             failed_.emplace_back(g->seq(), std::current_exception());
             continue;
         }
-        // The prompt's last chunk brings its first token with it: the time to the first token
-        // is one decode, not that and a speculative step.
-        if (!g->prefilling() && room > 0) {
+        // A greedy prompt's last chunk brings its first token with it: the time to the first
+        // token is one decode, not that and a speculative step. A sampled one's first token
+        // comes from a step as when its prompt is cached: decoded in another batch shape, its
+        // logits would differ by float noise, and a seed would not repeat a call.
+        if (!g->prefilling() && room > 0 && g->greedy()) {
             g->add_first_row(target_batch_);
             --room;
             starting_.push_back(g);
@@ -682,7 +684,7 @@ int Engine::prompt_rows(int budget) const {
     for (const Generation* g : prefilling_) {
         const int share = prefill_share(*g, budget);
         if (g->prompt_left() > kPrefillChunk) budget -= share;
-        rows += share + (share == g->prompt_left() ? 1 : 0);  // and its first token's row
+        rows += share + (share == g->prompt_left() && g->greedy() ? 1 : 0);  // first token's
     }
     return rows;
 }

@@ -130,6 +130,7 @@ class Generation {
 
     llama_seq_id seq() const { return seq_id_; }
     bool adaptive() const { return adaptive_; }
+    bool greedy() const { return req_.sampling.greedy(); }
     const AdaptivePolicy& policy() const { return policy_; }
     bool finished() const { return result_.finish_reason != FinishReason::kNone; }
 
@@ -195,7 +196,6 @@ class Generation {
 
   private:
     Stats& stats() { return result_.stats; }
-    bool greedy() const { return req_.sampling.greedy(); }
     int draft_cap() const;
     bool choose_copy(int cap);
     int model_cap(int cap) const;

@@ -104,8 +104,6 @@ def test_point_mass_drafts_keep_the_distribution(tiny_dir: Path) -> None:
                 if k:
                     drafted += out["stats"]["n_drafted"]
                     accepted += out["stats"]["n_accepted"]
-    # Every generation drafted from the lookup but the first: its prompt was not yet cached,
-    # and its first token came with the prompt's decode.
-    assert drafted >= n - 1
+    assert drafted >= n  # every generation drafted from the lookup
     assert 0 < accepted < drafted  # point masses are both accepted and rejected
     assert homogeneity_pvalue(counts[0], counts[2]) > 1e-3
