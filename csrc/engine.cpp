@@ -610,12 +610,23 @@ void Engine::draft_all() {
 }
 
 namespace {
-// A waiting prompt's rows in this step: a short one whole (its stall on the running streams is
-// one step's either way, and chunks would only put off its first token), a longer one as much
-// of the step's chunk `budget` as longer ones have left.
-int prefill_share(const Generation& g, int budget) {
+// A waiting prompt's part in this step, at most `room` rows: a short one whole (its stall on
+// the running streams is one step's either way, and chunks would only put off its first
+// token), a longer one as much as the step's chunk `budget` has left (lowered here).
+struct PromptShare {
+    int rows = 0;
+    // The chunk ends a greedy prompt and brings its first token's row: the time to the first
+    // token is one decode, not that and a speculative step. A sampled prompt's first token
+    // comes from a step, as when the prompt is cached: decoded in another batch shape its
+    // logits would differ by float noise, and a seed would not repeat a call.
+    bool first_row = false;
+};
+PromptShare prompt_share(const Generation& g, int& budget, int room) {
     const int left = g.prompt_left();
-    return left <= Engine::kPrefillChunk ? left : std::min(left, budget);
+    const bool chunked = left > Engine::kPrefillChunk;
+    const int rows = std::min({left, chunked ? budget : left, room});
+    if (chunked) budget -= rows;
+    return {rows, rows == left && rows < room && g.greedy()};
 }
 }  // namespace
 
@@ -624,23 +635,16 @@ void Engine::add_prompt_chunks(int budget, int room) {
     starting_.clear();
     failed_.clear();
     for (Generation* g : prefilling_) {
-        const bool chunked = g->prompt_left() > kPrefillChunk;
-        const int share = std::min(prefill_share(*g, budget), room);
-        if (share <= 0) continue;
+        const PromptShare share = prompt_share(*g, budget, room);
+        if (share.rows <= 0) continue;
         try {
-            const int added = g->add_prefill(target_batch_, share);
-            room -= added;
-            if (chunked) budget -= added;
+            room -= g->add_prefill(target_batch_, share.rows);
             prefilled_.push_back(g);
         } catch (...) {  // its draft's decode failed
             failed_.emplace_back(g->seq(), std::current_exception());
             continue;
         }
-        // A greedy prompt's last chunk brings its first token with it: the time to the first
-        // token is one decode, not that and a speculative step. A sampled one's first token
-        // comes from a step as when its prompt is cached: decoded in another batch shape, its
-        // logits would differ by float noise, and a seed would not repeat a call.
-        if (!g->prefilling() && room > 0 && g->greedy()) {
+        if (share.first_row) {
             g->add_first_row(target_batch_);
             --room;
             starting_.push_back(g);
@@ -682,9 +686,8 @@ void Engine::size_prefill_chunk(double t_decode, bool with_prefill) {
 int Engine::prompt_rows(int budget) const {
     int rows = 0;
     for (const Generation* g : prefilling_) {
-        const int share = prefill_share(*g, budget);
-        if (g->prompt_left() > kPrefillChunk) budget -= share;
-        rows += share + (share == g->prompt_left() && g->greedy() ? 1 : 0);  // first token's
+        const PromptShare share = prompt_share(*g, budget, target_->n_batch());
+        rows += share.rows + (share.first_row ? 1 : 0);
     }
     return rows;
 }
