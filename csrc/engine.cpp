@@ -576,7 +576,7 @@ void Engine::step() {
     if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
     const bool shared = decoding_.size() + prefilled_.size() > 1;
     accept_all(decoding_, t_verify, shared);
-    accept_all(starting_, 0.0, shared);  // their decode is the prompt's (stats.t_prompt)
+    accept_all(starting_, 0.0, shared, /*with_prompt=*/true);  // their decode is the prompt's
 }
 
 void Engine::choose_ks(int row_cap) {
@@ -652,10 +652,11 @@ void Engine::add_prompt_chunks(int budget, int room) {
     }
 }
 
-void Engine::accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared) {
+void Engine::accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared,
+                        bool with_prompt) {
     for (Generation* g : gens) {
         try {
-            g->accept(t_verify, shared);
+            g->accept(t_verify, shared, with_prompt);
         } catch (...) {
             retire(g->seq(), std::current_exception());
             continue;

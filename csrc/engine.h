@@ -130,7 +130,8 @@ class Engine {
     // Into target_batch_, at most `room` rows: short prompts whole, longer ones in chunks of at
     // most `budget` rows in all.
     void add_prompt_chunks(int budget, int room);
-    void accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared);
+    void accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared,
+                    bool with_prompt = false);
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
     // The rows waiting prompts add to this step (add_prompt_chunks', room allowing).

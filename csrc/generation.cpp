@@ -87,9 +87,7 @@ void Generation::prefill_decoded(double seconds) {
 
 void Generation::add_first_row(Batch& batch) {
     k_ = 0;
-    first_from_prefill_ = true;
     forget_draft();
-    stats().count_proposal(0);
     add_verify_rows(batch);
 }
 
@@ -274,7 +272,7 @@ const Distribution& Generation::target_distribution(size_t row) {
     return p_;
 }
 
-void Generation::accept(double t_verify, bool shared) {
+void Generation::accept(double t_verify, bool shared, bool with_prompt) {
     const auto start = Clock::now();
     const size_t k = draft_.tokens.size();
     step_tokens_.clear();
@@ -291,10 +289,15 @@ void Generation::accept(double t_verify, bool shared) {
     const auto n_accepted = static_cast<int>(i);
     stats().count_acceptance(n_accepted);
     stats().accepted_by[static_cast<int>(draft_.source)] += n_accepted;
-    ++stats().n_target_passes;
-    if (shared) ++stats().n_shared_steps;
     const double t_step_verify = t_verify + seconds_since(start);
-    stats().t_verify += t_step_verify;
+    if (with_prompt) {
+        stats().first_from_prompt = true;
+        stats().t_prompt += t_step_verify;
+    } else {
+        ++stats().n_target_passes;
+        if (shared) ++stats().n_shared_steps;
+        stats().t_verify += t_step_verify;
+    }
 
     int committed = 0;
     for (size_t j = 0; j < step_tokens_.size(); ++j)
@@ -302,8 +305,7 @@ void Generation::accept(double t_verify, bool shared) {
     stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
     hand_over_text();
     // The first token from the prompt's last chunk: no K was chosen, nothing to learn.
-    const bool chosen = !std::exchange(first_from_prefill_, false);
-    if (adaptive_ && chosen) {
+    if (adaptive_ && !with_prompt) {
         StepOutcome outcome{static_cast<int>(k), n_accepted,       t_draft_step_,
                             t_step_verify,       draft_.caught_up, draft_.t_catch_up};
         outcome.shared = shared;

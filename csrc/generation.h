@@ -148,7 +148,7 @@ class Generation {
     // After the decode holding the prefill rows.
     void prefill_decoded(double seconds);
     // With the prompt's last chunk: appends its last token's row, with logits, so that the
-    // first token comes from the same decode (a step of K = 0; accept() reads it).
+    // first token comes from the same decode (accept() reads it, `with_prompt`).
     void add_first_row(Batch& batch);
 
     // Ends the request if it was cancelled, ran past its deadline or filled its context.
@@ -177,8 +177,9 @@ class Generation {
     void add_verify_rows(Batch& batch);
     // Reads this sequence's rows of the target decode: accepted prefix plus one token of the
     // target's, committed, the rest rolled back. `shared`: the decode held other sequences' rows
-    // too, so its time is not this K's cost.
-    void accept(double t_verify, bool shared);
+    // too, so its time is not this K's cost. `with_prompt`: the row rode in the prompt's last
+    // chunk (add_first_row), a first token that is no step of K's.
+    void accept(double t_verify, bool shared, bool with_prompt = false);
 
     // Hands the result to the caller (or `error`, if set) and frees nothing else.
     void publish(std::exception_ptr error = nullptr);
@@ -228,12 +229,11 @@ class Generation {
     bool drafting_dropped_ = false;
     bool drafts_with_model_ = false;  // the draft model may be asked (its cache is kept filled)
     Clock::time_point admitted_;
-    std::vector<llama_token> seq_;     // prompt + committed tokens
-    size_t prefilled_ = 0;             // prompt tokens the target's cache holds
-    int k_ = 0;                        // this step's K
-    bool first_from_prefill_ = false;  // this step's row rode in the prompt's last chunk
-    int cap_ = 0;                      // the most this step may draft
-    bool falling_back_ = false;        // this step's policy chose target-only (and why)
+    std::vector<llama_token> seq_;  // prompt + committed tokens
+    size_t prefilled_ = 0;          // prompt tokens the target's cache holds
+    int k_ = 0;                     // this step's K
+    int cap_ = 0;                   // the most this step may draft
+    bool falling_back_ = false;     // this step's policy chose target-only (and why)
     std::string fallback_why_;
     size_t base_ = 0;    // position of the first draft token
     int first_row_ = 0;  // this sequence's first row in the target's batch

@@ -7,24 +7,25 @@
 namespace specdec {
 
 struct Stats {
-    int n_prompt = 0;             // prompt tokens
-    int n_prompt_cached = 0;      // of them, already in the target's cache (not decoded again)
-    int n_prompt_chunks = 0;      // target decodes that read part of the rest
-    int n_generated = 0;          // tokens in the result
-    int n_target_passes = 0;      // target decodes after the prompt (one per step)
-    int n_drafted = 0;            // draft tokens proposed
-    int n_accepted = 0;           // draft tokens accepted
-    int n_cut = 0;                // committed tokens dropped by EOG, a stop string or max_tokens
-    int n_speculative_steps = 0;  // steps that drafted at least one token
-    int n_fallback_steps = 0;     // adaptive steps that chose target-only decoding
-    int n_p_min_stops = 0;        // model drafts cut short by draft_p_min
-    std::string fallback_reason;  // why, when any did ("short request", "low acceptance")
-    std::string draft_error;      // why drafting was dropped for this request ("" if it was not)
-    int n_shared_steps = 0;       // steps whose target decode held other requests' rows too
-    bool recalibrated = false;    // its steps found the costs off; they were measured again
-    std::vector<int> steps_at_k;  // [k]: steps that drafted k tokens
-    int drafted_by[2] = {0, 0};   // by DraftSource: model, n-gram
-    int n_argmax_drafted = 0;     // sampling: model drafts that were q's argmax (point masses)
+    int n_prompt = 0;                // prompt tokens
+    int n_prompt_cached = 0;         // of them, already in the target's cache (not decoded again)
+    int n_prompt_chunks = 0;         // target decodes that read part of the rest
+    int n_generated = 0;             // tokens in the result
+    bool first_from_prompt = false;  // the first came with the prompt's decode (in t_prompt)
+    int n_target_passes = 0;         // target decodes after the prompt (one per step)
+    int n_drafted = 0;               // draft tokens proposed
+    int n_accepted = 0;              // draft tokens accepted
+    int n_cut = 0;                   // committed tokens dropped by EOG, a stop string or max_tokens
+    int n_speculative_steps = 0;     // steps that drafted at least one token
+    int n_fallback_steps = 0;        // adaptive steps that chose target-only decoding
+    int n_p_min_stops = 0;           // model drafts cut short by draft_p_min
+    std::string fallback_reason;     // why, when any did ("short request", "low acceptance")
+    std::string draft_error;         // why drafting was dropped for this request ("" if it was not)
+    int n_shared_steps = 0;          // steps whose target decode held other requests' rows too
+    bool recalibrated = false;       // its steps found the costs off; they were measured again
+    std::vector<int> steps_at_k;     // [k]: steps that drafted k tokens
+    int drafted_by[2] = {0, 0};      // by DraftSource: model, n-gram
+    int n_argmax_drafted = 0;        // sampling: model drafts that were q's argmax (point masses)
     int accepted_by[2] = {0, 0};
     std::vector<int> accepted_at;  // [i]: times draft position i+1 was accepted
     std::vector<int> proposed_at;  // [i]: times draft position i+1 was proposed
@@ -51,6 +52,7 @@ struct Stats {
         field("n_prompt_cached", n_prompt_cached);
         field("n_prompt_chunks", n_prompt_chunks);
         field("n_generated", n_generated);
+        field("first_from_prompt", first_from_prompt);
         field("n_target_passes", n_target_passes);
         field("n_drafted", n_drafted);
         field("n_accepted", n_accepted);

@@ -90,7 +90,8 @@ class Stats:
     n_prompt_cached: int  # prompt tokens already in the slot's cache (an earlier request's)
     n_prompt_chunks: int  # target decodes that read the rest of the prompt
     n_generated: int
-    n_target_passes: int
+    first_from_prompt: bool  # the first token came with the prompt's decode (its time in t_prompt)
+    n_target_passes: int  # target decodes after the prompt, one per step
     n_drafted: int
     n_accepted: int
     n_cut: int
@@ -133,9 +134,10 @@ class Stats:
 
     @property
     def tokens_per_second(self) -> float:
-        """Generated tokens per second of generation (prompt time excluded)."""
+        """Tokens per second of generation: the prompt's time excluded, and so the first token
+        when it came with the prompt's decode (as llama.cpp's eval rate counts)."""
         t = self.t_generation
-        return self.n_generated / t if t > 0 else 0.0
+        return max(self.n_generated - self.first_from_prompt, 0) / t if t > 0 else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:

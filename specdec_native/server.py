@@ -362,7 +362,7 @@ def timings(result: GenerationResult, waited: float) -> dict[str, Any]:
         "prompt_ms": s.t_prompt * 1e3,
         "predicted_n": s.n_generated,
         "predicted_ms": gen * 1e3,
-        "predicted_per_second": s.n_generated / gen if gen > 0 else 0.0,
+        "predicted_per_second": s.tokens_per_second,
         "draft_n": s.n_drafted,
         "draft_n_accepted": s.n_accepted,
         "acceptance_rate": s.acceptance_rate,

@@ -43,7 +43,8 @@ def assert_same_or_near_tie(
 def assert_stats_add_up(stats: sd.Stats, n_tokens: int) -> None:
     assert 0 <= stats.n_accepted <= stats.n_drafted
     assert stats.n_generated == n_tokens
-    assert stats.n_generated == stats.n_accepted + stats.n_target_passes - stats.n_cut
+    made = stats.n_accepted + stats.n_target_passes + stats.first_from_prompt
+    assert stats.n_generated == made - stats.n_cut
     assert sum(stats.accepted_at) == stats.n_accepted
     assert sum(stats.proposed_at) == stats.n_drafted
     for a, p in zip(stats.accepted_at, stats.proposed_at):

@@ -55,14 +55,18 @@ def test_a_cache_hit_gives_what_a_cold_run_gives(
 
 
 def test_a_cold_prompt_brings_the_first_token_with_its_decode(deep: sd.SpeculativeDecoder) -> None:
-    # Two tokens wanted at K = 3: the first comes with the prompt's decode (a step of K = 0),
-    # so the one step left has no room for a draft.
+    # Two tokens wanted at K = 3: the first comes with the prompt's decode, so the one step
+    # left has no room for a draft.
     cold = deep.generate(HISTORY, 2)
     assert cold.stats.n_prompt_cached == 0
-    assert cold.stats.steps_at_k == [2]
+    assert cold.stats.first_from_prompt
+    assert cold.stats.steps_at_k == [1] and cold.stats.n_target_passes == 1
+    # Its rate counts the one token the generation's time made, as llama.cpp's eval rate.
+    assert cold.stats.tokens_per_second == pytest.approx(1 / cold.stats.t_generation)
     # The whole prompt cached, there is no prompt decode: the first step drafts.
     cached = deep.generate(HISTORY, 2)
     assert cached.stats.n_prompt_cached == cached.stats.n_prompt - 1
+    assert not cached.stats.first_from_prompt
     assert cached.stats.steps_at_k[1] == 1
     assert cached.tokens == cold.tokens
 
