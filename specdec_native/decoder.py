@@ -19,7 +19,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, SupportsFloat, SupportsIndex, Union
 
 from specdec_native import _core, calibration
 
@@ -31,7 +31,11 @@ FLOAT32_TINY, FLOAT32_MAX = 1e-30, 1e38  # sampling settings are 32-bit floats i
 AUTO = "auto"
 DRAFT_RULES = ("auto", "sample", "argmax")  # generate(draft_rule=...)
 NGRAM = "ngram"  # as the draft: propose from n-gram matches in the context, no draft model
-DraftLength = Union[int, str]  # a fixed K, or "auto"
+# What the API takes: Python's numbers and numpy's (np.int64, np.float32, ...; bool is refused).
+Integer = SupportsIndex
+Number = SupportsFloat
+Prompt = Union[str, Iterable[SupportsIndex]]  # text, or token ids (a list, a numpy array, ...)
+DraftLength = Union[Integer, str]  # a fixed K, or "auto"
 
 
 class EngineClosedError(RuntimeError):
@@ -445,7 +449,7 @@ class SpeculativeDecoder:
     # -- properties ------------------------------------------------------------------------
 
     @property
-    def n_draft(self) -> DraftLength:
+    def n_draft(self) -> int | str:
         """K, or "auto" when the decoder chooses K each step from measured costs."""
         engine = self._live()
         return AUTO if self._adaptive else engine.n_draft
@@ -499,14 +503,14 @@ class SpeculativeDecoder:
         _check_bool("add_generation_prompt", add_generation_prompt)
         return self._live().apply_chat_template(pairs, add_generation_prompt)
 
-    def next_token_logits(self, tokens: Sequence[int], *, batched: bool = True) -> list[float]:
+    def next_token_logits(self, tokens: Prompt, *, batched: bool = True) -> list[float]:
         """The target's logits for the token after ``tokens``, read afresh: in batches (as the
         verify pass reads), or one token per decode (as target-only generation reads)."""
         _check_bool("batched", batched)
         return self._live().next_token_logits(self._prompt_tokens(tokens), batched)
 
     def measure_decode_cost(
-        self, prompt: str | Sequence[int], max_n: int = 9, *, repeats: int = 5, draft: bool = False
+        self, prompt: Prompt, max_n: int = 9, *, repeats: int = 5, draft: bool = False
     ) -> list[float]:
         """Seconds per decode of n = 1..max_n tokens after ``prompt`` on the target (or the
         draft): the cost curve t(n) that decides which K pays on this machine."""
@@ -516,7 +520,7 @@ class SpeculativeDecoder:
         _check_bool("draft", draft)
         return self._live().measure_decode_cost(tokens, max_n, repeats, draft)
 
-    def calibrate(self, prompt: str | Sequence[int] = "The") -> None:
+    def calibrate(self, prompt: Prompt = "The") -> None:
         """Measures the costs the "auto" draft length needs, now and afresh (otherwise they are
         read from the calibration cache, or measured on first use), and stores them."""
         engine = self._live()
@@ -551,7 +555,7 @@ class SpeculativeDecoder:
 
     # -- generation ------------------------------------------------------------------------
 
-    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+    def _prompt_tokens(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, (bytes, bytearray, memoryview)):
             raise ArgumentTypeError(
                 "the prompt must be str or a list of token ids, not bytes: decode it"
@@ -570,20 +574,20 @@ class SpeculativeDecoder:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
-        max_tokens: int = 128,
+        prompt: Prompt,
+        max_tokens: Integer = 128,
         *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int | None = None,
+        temperature: Number = 0.0,
+        top_k: Integer = 0,
+        top_p: Number = 1.0,
+        min_p: Number = 0.0,
+        seed: Integer | None = None,
         stop: str | Sequence[str] | None = None,
         n_draft: DraftLength | None = None,
-        draft_p_min: float = 0.0,
+        draft_p_min: Number = 0.0,
         draft_rule: str = "auto",
-        timeout: float | None = None,
-        deadline: float | None = None,
+        timeout: Number | None = None,
+        deadline: Number | None = None,
         on_text: Callable[[str], None] | None = None,
         cancel: _core.CancelFlag | None = None,
     ) -> GenerationResult:
@@ -610,14 +614,14 @@ class SpeculativeDecoder:
         """
         engine = self._live()
         tokens = self._prompt_tokens(prompt)
-        _check_int("max_tokens", max_tokens)
-        temperature = _check_float("temperature", temperature)
-        _check_int("top_k", top_k)
-        top_p = _check_float("top_p", top_p)
-        min_p = _check_float("min_p", min_p)
-        if seed is None:
-            seed = random.getrandbits(64)
-        _check_int("seed", seed, 0, (1 << 64) - 1)
+        n_max = _check_int("max_tokens", max_tokens)
+        t = _check_float("temperature", temperature)
+        k_top = _check_int("top_k", top_k)
+        p_top = _check_float("top_p", top_p)
+        p_floor = _check_float("min_p", min_p)
+        rng_seed = _check_int(
+            "seed", random.getrandbits(64) if seed is None else seed, 0, (1 << 64) - 1
+        )
         stops = _check_stop(stop)
         adaptive = self._adaptive if n_draft is None else _is_auto(n_draft)
         # -1: the decoder's K (this layer's None), so a K of the caller's is >= 0.
@@ -633,9 +637,9 @@ class SpeculativeDecoder:
             else _check_float("timeout", timeout, lambda v: v > 0, "a number of seconds > 0")
         )
         if deadline is not None:
-            _check_float("deadline", deadline, lambda v: True, "a time.monotonic() value")
+            at = _check_float("deadline", deadline, lambda v: True, "a time.monotonic() value")
             # The engine's timeout must be > 0; one already past times out at once.
-            left = max(deadline - time.monotonic(), 1e-6)
+            left = max(at - time.monotonic(), 1e-6)
             seconds = min(seconds, left) if seconds else left
         if cancel is not None and not isinstance(cancel, _core.CancelFlag):
             raise TypeError(f"cancel must be a CancelFlag, got {type(cancel).__name__}")
@@ -646,12 +650,12 @@ class SpeculativeDecoder:
             self._load_calibration(engine)
         request = _core.Request()
         request.prompt = tokens
-        request.max_tokens = max_tokens
-        request.temperature = temperature
-        request.top_k = top_k
-        request.top_p = top_p
-        request.min_p = min_p
-        request.seed = seed
+        request.max_tokens = n_max
+        request.temperature = t
+        request.top_k = k_top
+        request.top_p = p_top
+        request.min_p = p_floor
+        request.seed = rng_seed
         request.stop = stops
         request.n_draft = k
         request.adaptive = adaptive
@@ -682,7 +686,7 @@ class SpeculativeDecoder:
         return result
 
     def stream(
-        self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
+        self, prompt: Prompt, max_tokens: Integer = 128, **kwargs: Any
     ) -> Generator[str, None, None]:
         """Yields text pieces as they are generated (same arguments as generate()).
 
@@ -736,7 +740,7 @@ class SpeculativeDecoder:
             worker.join()
 
     async def agenerate(
-        self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
+        self, prompt: Prompt, max_tokens: Integer = 128, **kwargs: Any
     ) -> GenerationResult:
         """generate() for asyncio code: runs on a worker thread, so the event loop is never
         blocked. Cancelling the awaiting task stops the generation."""
@@ -751,7 +755,7 @@ class SpeculativeDecoder:
             raise
 
     async def astream(
-        self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
+        self, prompt: Prompt, max_tokens: Integer = 128, **kwargs: Any
     ) -> AsyncGenerator[str, None]:
         """stream() for asyncio code: yields text pieces as they are generated, without blocking
         the event loop. Leaving the loop early (break, an exception, a cancelled task) stops the
@@ -761,7 +765,7 @@ class SpeculativeDecoder:
                 yield item
 
     async def astream_events(
-        self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any
+        self, prompt: Prompt, max_tokens: Integer = 128, **kwargs: Any
     ) -> AsyncIterator[str | GenerationResult]:
         """As astream(), and last the GenerationResult (stats, finish reason)."""
         for name in ("on_text", "cancel"):
