@@ -13,11 +13,12 @@ machine lands on both.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import threading
 from pathlib import Path
+
+from bench_args import pair_parser
 
 import specdec_native as sd
 from specdec_native import models
@@ -66,12 +67,7 @@ def bench(name: str, target: Path, draft: Path, rounds: int, n: int, stream: boo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("target", nargs="?", type=Path)
-    ap.add_argument("draft", nargs="?", type=Path)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("-n", type=int, default=64)
-    args = ap.parse_args()
+    args = pair_parser(__doc__, rounds=5, n=64).parse_args()
     print("| pair | tok/s alone | tok/s beside a busy thread | ratio (medians) | ratio per round |")
     print("|---|---|---|---|---|")
     if args.target:

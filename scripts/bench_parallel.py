@@ -17,7 +17,6 @@ resident memory of one decoder with 4 slots against 4 decoders (each in a fresh 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -25,8 +24,9 @@ import threading
 import time
 from pathlib import Path
 
+from bench_args import pair_parser, parse_pair
+
 import specdec_native as sd
-from specdec_native import models
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -116,16 +116,9 @@ def rss_mib(target: Path, draft: Path, decoders: int, slots: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("target", nargs="?", type=Path)
-    ap.add_argument("draft", nargs="?", type=Path)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("-n", type=int, default=64)
+    ap = pair_parser(__doc__, rounds=3, n=64)
     ap.add_argument("-c", "--concurrency", default="1,2,4,8")
-    args = ap.parse_args()
-    if args.target is None:
-        pair = models.default_pair()
-        args.target, args.draft = pair.target, pair.draft
+    args = parse_pair(ap)
     levels = [int(c) for c in args.concurrency.split(",")]
     slots = max(levels)
     batched = sd.SpeculativeDecoder(args.target, args.draft, n_parallel=slots)

@@ -11,12 +11,11 @@ round, one right after the other.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
+
+from bench_args import pair_parser, parse_pair
 
 import specdec_native as sd
-from specdec_native import models
 
 USER = (
     "Here is more of the log from the harbour office. The ship {t} came in at dawn with "
@@ -54,16 +53,9 @@ def run_round(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("target", nargs="?", type=Path)
-    ap.add_argument("draft", nargs="?", type=Path)
+    ap = pair_parser(__doc__, rounds=3, n=16, n_help="reply tokens per turn")
     ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("-n", type=int, default=16, help="reply tokens per turn")
-    args = ap.parse_args()
-    if args.target is None:
-        pair = models.default_pair()
-        args.target, args.draft = pair.target, pair.draft
+    args = parse_pair(ap)
     with sd.SpeculativeDecoder(args.target, args.draft, n_ctx=4096) as dec:
         rows = [run_round(dec, args.turns, args.n) for _ in range(args.rounds)]
     warm = [r[0] for r in rows]

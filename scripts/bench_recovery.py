@@ -12,14 +12,13 @@ Without TARGET/DRAFT it runs the default pair, greedy, on a held-out prompt.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import statistics
-from pathlib import Path
+
+from bench_args import pair_parser, parse_pair
 
 import specdec_native as sd
-from specdec_native import models
 
 PROMPT = (
     "Answer the question using only the passage.\n\nPassage: The pump is rated for continuous "
@@ -49,16 +48,9 @@ def calibrate(dec: sd.SpeculativeDecoder, busy: bool) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("target", nargs="?", type=Path)
-    ap.add_argument("draft", nargs="?", type=Path)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("-n", type=int, default=96)
+    ap = pair_parser(__doc__, rounds=3, n=96)
     ap.add_argument("--requests", type=int, default=3)
-    args = ap.parse_args()
-    if args.target is None:
-        pair = models.default_pair()
-        args.target, args.draft = pair.target, pair.draft
+    args = parse_pair(ap)
     speeds: dict[str, list[list[float]]] = {"clean": [], "busy": []}
     healed: list[int] = []
     with sd.SpeculativeDecoder(

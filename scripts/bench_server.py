@@ -17,7 +17,6 @@ latency. llama-server comes from scripts/build_llama_cpp_tools.sh.
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -28,8 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-
-from specdec_native import models
+from bench_args import pair_parser, parse_pair
 
 ROOT = Path(__file__).parent.parent
 PROMPTS = [
@@ -106,11 +104,7 @@ def run_batch(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("target", nargs="?", type=Path)
-    ap.add_argument("draft", nargs="?", type=Path)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("-n", type=int, default=64)
+    ap = pair_parser(__doc__, rounds=2, n=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-c", "--concurrency", default="1,2,4,8")
     ap.add_argument(
@@ -119,12 +113,9 @@ def main() -> None:
         help="before the timed batches, serve one untimed batch of other prompts at each "
         "concurrency: a server that has been running, against one just started",
     )
-    args = ap.parse_args()
+    args = parse_pair(ap)
     levels = [int(c) for c in args.concurrency.split(",")]
     slots = str(max(levels))
-    if args.target is None:
-        pair = models.default_pair()
-        args.target, args.draft = pair.target, pair.draft
     tools = subprocess.run(
         ["bash", str(ROOT / "scripts/build_llama_cpp_tools.sh")],
         check=True,
