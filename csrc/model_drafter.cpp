@@ -42,6 +42,8 @@ void ModelDrafter::catch_up_all(std::vector<Job>& jobs) {
     const size_t share = std::max<size_t>(1, static_cast<size_t>(batch_.capacity()) / jobs.size());
     for (Job& job : jobs) {
         const auto& committed = *job.committed;
+        // Generation::accept has rolled back this step's rejected draft already; the prefix
+        // check (a scan of ints) keeps a slot that another request's tokens held honest.
         const size_t common = model_.keep_common_prefix(job.seq, committed, committed.size() - 1);
         job.out->caught_up = static_cast<int>(committed.size() - common);
         if (committed.size() - common > share)
