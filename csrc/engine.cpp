@@ -576,7 +576,8 @@ void Engine::step() {
     if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
     const bool shared = decoding_.size() + prefilled_.size() > 1;
     accept_all(decoding_, t_verify, shared);
-    accept_all(starting_, 0.0, shared, /*with_prompt=*/true);  // their decode is the prompt's
+    // Their decode is the prompt's (its time in stats.t_prompt), no step shared with others.
+    accept_all(starting_, 0.0, /*shared=*/false, /*with_prompt=*/true);
 }
 
 void Engine::choose_ks(int row_cap) {

@@ -615,7 +615,7 @@ class SpeculativeDecoder:
         engine = self._live()
         tokens = self._prompt_tokens(prompt)
         n_max = _check_int("max_tokens", max_tokens)
-        t = _check_float("temperature", temperature)
+        temp = _check_float("temperature", temperature)
         k_top = _check_int("top_k", top_k)
         p_top = _check_float("top_p", top_p)
         p_floor = _check_float("min_p", min_p)
@@ -651,7 +651,7 @@ class SpeculativeDecoder:
         request = _core.Request()
         request.prompt = tokens
         request.max_tokens = n_max
-        request.temperature = t
+        request.temperature = temp
         request.top_k = k_top
         request.top_p = p_top
         request.min_p = p_floor
