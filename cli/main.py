@@ -787,9 +787,16 @@ def serve(
         port=port,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=math.ceil(grace) + 1,  # after the streams' own grace
+        # A backstop: the app cuts running requests at --grace itself, each within a step.
+        timeout_graceful_shutdown=math.ceil(grace) + 10,
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.server.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     running.append(server)
     progress(f"serving {settings.model_alias} on http://{host}:{port}")
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that
@@ -895,7 +902,12 @@ def main() -> None:
     if sys.stderr is None:  # Python found fd 2 closed; click would write errors to stdout
         sys.stderr = open(os.devnull, "w")  # lives as long as the process
     try:
+        if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:  # as cli/__init__.py left it
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         cli()
+    except KeyboardInterrupt:  # before a command's own handling (user_errors) began
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.exit(130)
     except OSError as e:
         _silence_stdout()
         try:

@@ -159,26 +159,31 @@ struct PendingError {
     }
 };
 
-py::dict run_generate(Engine& engine, GenerateRequest request, const py::object& on_text) {
+py::dict run_generate(Engine& engine, GenerateRequest request, const py::object& on_text,
+                      const py::object& on_start) {
     PendingError pending;
+    // Runs a callback's Python work (its arguments' conversion too) under the GIL; what it
+    // raises is re-raised once the engine unwinds.
+    const auto with_gil = [&](const auto& python_work) {
+        py::gil_scoped_acquire gil;
+        try {
+            python_work();
+        } catch (py::error_already_set& e) {
+            pending.capture(std::move(e));
+            throw Cancelled("callback raised");
+        }
+    };
     TextCallback text_cb;
-    if (!on_text.is_none()) {
-        text_cb = [&](const std::string& text) {
-            py::gil_scoped_acquire gil;
-            try {
-                on_text(to_str(text));
-            } catch (py::error_already_set& e) {
-                pending.capture(std::move(e));
-                throw Cancelled("callback raised");
-            }
-        };
-    }
+    if (!on_text.is_none())
+        text_cb = [&](const std::string& text) { with_gil([&] { on_text(to_str(text)); }); };
+    StartCallback start_cb;
+    if (!on_start.is_none()) start_cb = [&] { with_gil([&] { on_start(); }); };
     GenerationResult result;
     try {
         result = interruptible(
             [&](const std::shared_ptr<CancelFlag>& flag) {
                 request.cancel = flag;
-                return engine.generate(request, text_cb);
+                return engine.generate(request, text_cb, start_cb);
             },
             request.cancel);
     } catch (...) {
@@ -272,10 +277,11 @@ PYBIND11_MODULE(_core, m) {
              py::arg("n_parallel") = 1)
         .def(
             "generate",
-            [](Engine& e, GenerateRequest request, const py::object& on_text) {
-                return run_generate(e, std::move(request), on_text);
+            [](Engine& e, GenerateRequest request, const py::object& on_text,
+               const py::object& on_start) {
+                return run_generate(e, std::move(request), on_text, on_start);
             },
-            py::arg("request"), py::arg("on_text") = py::none())
+            py::arg("request"), py::arg("on_text") = py::none(), py::arg("on_start") = py::none())
         .def(
             "calibrate",
             [](Engine& e, const std::vector<int32_t>& context) {
@@ -363,6 +369,7 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_draft", &Engine::n_draft)
         .def_property_readonly("has_draft", [](const Engine& e) { return e.draft() != nullptr; })
         .def_property_readonly("n_parallel", &Engine::n_parallel)
+        .def_property_readonly("n_threads_now", &Engine::n_threads_now)
         .def_property_readonly("running_on_this_thread", &Engine::running_on_this_thread)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 

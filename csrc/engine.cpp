@@ -136,6 +136,9 @@ Engine::Engine(const EngineConfig& config)
     }
     slots_.resize(static_cast<size_t>(config.n_parallel));
     last_used_.assign(static_cast<size_t>(config.n_parallel), 0);
+    governor_ =
+        std::make_unique<ThreadGovernor>(target_->n_threads(), config.target.n_threads == 0);
+    threads_now_.store(governor_->current());
 }
 
 Engine::~Engine() { stop_scheduler(); }
@@ -209,7 +212,8 @@ void Engine::check_request(const GenerateRequest& request) const {
 
 // ---------------------------------------------------------------- callers' side
 
-GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text) {
+GenerationResult Engine::generate(const GenerateRequest& request, const TextCallback& on_text,
+                                  const StartCallback& on_start) {
     check_not_in_callback("call generate, calibrate or measure_decode_cost");
     check_request(request);
     const auto called = Clock::now();
@@ -230,13 +234,29 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
         }
     }
     wake_.notify_all();
-    return serve_caller(*channel, on_text);
+    return serve_caller(*channel, on_text, on_start);
 }
 
-GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallback& on_text) {
+GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallback& on_text,
+                                      const StartCallback& on_start) {
     std::exception_ptr callback_error;
+    // Runs a callback without the channel's lock; its exception is what the caller gets, once
+    // generation stops.
+    const auto call_back = [&](const std::function<void()>& callback) {
+        if (callback_error) return;
+        try {
+            CallbackScope scope(this);
+            callback();
+        } catch (...) {
+            callback_error = std::current_exception();
+            channel.request.cancel->requested.store(true);
+        }
+    };
+    bool start_told = !on_start;
     std::unique_lock<std::mutex> lock(channel.mutex);
-    const auto has_news = [&] { return channel.done || !channel.text.empty(); };
+    const auto has_news = [&] {
+        return channel.done || !channel.text.empty() || (channel.admitted && !start_told);
+    };
     while (true) {
         // Once admitted, the scheduler watches the request's flag and deadline: no need to
         // wake up for them (a wake-up takes a core from the decode's threads).
@@ -244,20 +264,18 @@ GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallbac
             channel.changed.wait(lock, has_news);
         else
             channel.changed.wait_for(lock, kPollInterval, has_news);
+        if (channel.admitted && !start_told) {
+            start_told = true;
+            lock.unlock();
+            call_back(on_start);
+            lock.lock();
+            continue;
+        }
         if (!channel.text.empty()) {
             std::string piece;
             piece.swap(channel.text);
             lock.unlock();
-            if (on_text && !callback_error) {
-                try {
-                    CallbackScope scope(this);
-                    on_text(piece);
-                } catch (...) {
-                    // The callback's exception is what the caller gets, once generation stops.
-                    callback_error = std::current_exception();
-                    channel.request.cancel->requested.store(true);
-                }
-            }
+            if (on_text) call_back([&] { on_text(piece); });
             lock.lock();
             continue;
         }
@@ -461,6 +479,7 @@ void Engine::admit_waiting() {
             std::lock_guard<std::mutex> channel_lock(channel->mutex);
             channel->admitted = true;
         }
+        channel->changed.notify_all();  // its caller may be waiting to hear that it started
         start(channel, seq);
     }
 }
@@ -536,7 +555,16 @@ void Engine::recalibrate_after(Generation& g) {
     job_cancel_.store(nullptr);
 }
 
+void Engine::govern_threads() {
+    const int threads = governor_->threads();
+    if (threads == threads_now_.load()) return;
+    target_->set_threads(threads);
+    if (draft_) draft_->set_threads(threads);
+    threads_now_.store(threads);
+}
+
 void Engine::step() {
+    govern_threads();
     decoding_.clear();
     prefilling_.clear();
     for (size_t s = 0; s < slots_.size(); ++s) {

@@ -17,6 +17,7 @@
 
 #include "batch.h"
 #include "cost_curve.h"
+#include "cpu_share.h"
 #include "generation.h"
 #include "model.h"
 #include "model_drafter.h"
@@ -38,6 +39,7 @@ struct EngineConfig {
 // Receives text as it is committed, in order, on the calling thread. May throw to stop
 // generation.
 using TextCallback = std::function<void(const std::string&)>;
+using StartCallback = std::function<void()>;
 
 class Engine {
   public:
@@ -56,9 +58,11 @@ class Engine {
     Engine& operator=(const Engine&) = delete;
 
     // From any thread: up to n_parallel calls generate together, later ones wait for a slot.
-    // `on_text` runs on the calling thread. A call from inside a callback of this engine throws
-    // ReentrantCallError.
-    GenerationResult generate(const GenerateRequest& request, const TextCallback& on_text);
+    // `on_text` runs on the calling thread, and so does `on_start`, once, when the request takes
+    // a slot (before any text; never for a request that ends while it waits). A call from inside
+    // a callback of this engine throws ReentrantCallError.
+    GenerationResult generate(const GenerateRequest& request, const TextCallback& on_text,
+                              const StartCallback& on_start = {});
     // The target's logits for the token after `context`, read afresh (the cache is cleared):
     // in n_batch chunks, or one token per decode as target-only generation reads it.
     std::vector<float> next_token_logits(const std::vector<llama_token>& context, bool batched,
@@ -88,6 +92,9 @@ class Engine {
     const Model* draft() const { return draft_.get(); }
     int n_draft() const { return config_.n_draft; }
     int n_parallel() const { return config_.n_parallel; }
+    // Threads the decodes use now: fewer than configured while other processes keep cores busy
+    // (unless the thread count was given).
+    int n_threads_now() const { return threads_now_.load(); }
 
   private:
     struct Job;
@@ -105,7 +112,8 @@ class Engine {
     void check_tokens(const std::vector<llama_token>& tokens) const;
     void check_request(const GenerateRequest& request) const;
     // Hands committed text to `on_text` until the request is done; returns its result.
-    GenerationResult serve_caller(RequestChannel& channel, const TextCallback& on_text);
+    GenerationResult serve_caller(RequestChannel& channel, const TextCallback& on_text,
+                                  const StartCallback& on_start);
     // Removes a request that still waits for a slot; false when the scheduler has taken it.
     bool withdraw(const RequestChannel* channel);
     // Runs `work` on the scheduler thread while no request generates, and waits for it.
@@ -155,6 +163,8 @@ class Engine {
     std::vector<double> measure_decode_cost_locked(const std::vector<llama_token>& context,
                                                    int max_n, int repeats, Model& model);
     void calibrate_locked(const std::vector<llama_token>& context);
+    // Before a step: the thread count the governor finds for this moment, on both models.
+    void govern_threads();
     // The costs of batches larger than one sequence's steps, for plan_ks.
     BatchCosts measure_batch_costs(const std::vector<llama_token>& context, const CostCurve& curve,
                                    Batch& batch);
@@ -198,6 +208,8 @@ class Engine {
     int steps_since_batch_probe_ = 0;  // steps the plan cut since requests last drafted freely
     std::vector<std::vector<double>> plan_expected_;
     int prefill_chunk_ = kPrefillChunk;
+    std::unique_ptr<ThreadGovernor> governor_;
+    std::atomic<int> threads_now_{0};
     double plain_step_ = 0.0;  // seconds: the last step's decode without prompt rows
     std::vector<ModelDrafter::Job> draft_jobs_;
 

@@ -79,6 +79,7 @@ Model::Model(const ModelParams& params)
     // its own K), so separate caches would cost a decode per piece.
     cparams.kv_unified = n_seq > 1;
     const int threads = params.n_threads > 0 ? params.n_threads : default_threads();
+    n_threads_ = threads;
     cparams.n_threads = threads;
     cparams.n_threads_batch = threads;
     cparams.no_perf = true;

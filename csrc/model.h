@@ -50,6 +50,8 @@ class Model {
     int n_seq() const { return static_cast<int>(held_.size()); }
     // The most tokens one llama_decode takes (llama.cpp caps the asked n_batch at n_ctx).
     int n_batch() const { return static_cast<int>(llama_n_batch(ctx_.get())); }
+    int n_threads() const { return n_threads_; }  // as created
+    void set_threads(int n) { llama_set_n_threads(ctx_.get(), n, n); }
 
     std::vector<llama_token> tokenize(const std::string& text, bool add_special,
                                       bool parse_special) const;
@@ -86,6 +88,7 @@ class Model {
     const llama_vocab* vocab_ = nullptr;
     std::string path_;
     int n_ctx_;
+    int n_threads_ = 1;
     std::vector<std::vector<llama_token>> held_;  // [seq]
 };
 

@@ -279,7 +279,7 @@ int AdaptivePolicy::choose(int cap, std::string* why) {
         phase_ = Phase::kProbing;
         return probe_k(cap);
     }
-    if (why) *why = "low acceptance";
+    if (why) *why = "low acceptance on earlier text";  // the running estimate, not this step's
     return 0;
 }
 

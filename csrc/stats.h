@@ -19,7 +19,7 @@ struct Stats {
     int n_speculative_steps = 0;     // steps that drafted at least one token
     int n_fallback_steps = 0;        // adaptive steps that chose target-only decoding
     int n_p_min_stops = 0;           // model drafts cut short by draft_p_min
-    std::string fallback_reason;     // why, when any did ("short request", "low acceptance")
+    std::string fallback_reason;     // why, when any did (short request, low acceptance, ...)
     std::string draft_error;         // why drafting was dropped for this request ("" if it was not)
     int n_shared_steps = 0;          // steps whose target decode held other requests' rows too
     bool recalibrated = false;       // its steps found the costs off; they were measured again

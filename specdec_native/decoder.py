@@ -467,6 +467,13 @@ class SpeculativeDecoder:
         """How many requests generate at once."""
         return self._live().n_parallel
 
+    @property
+    def n_threads_now(self) -> int:
+        """Threads the decodes use now. Without ``n_threads``, all cores while the machine is
+        otherwise idle and fewer while other processes keep cores busy (one decode's threads
+        wait for each other, and one the kernel deschedules stalls them all)."""
+        return self._live().n_threads_now
+
     def info(self) -> dict[str, Any]:
         """Architecture, size and vocabulary of the target (and draft)."""
         e = self._live()
@@ -589,6 +596,7 @@ class SpeculativeDecoder:
         timeout: Number | None = None,
         deadline: Number | None = None,
         on_text: Callable[[str], None] | None = None,
+        on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
     ) -> GenerationResult:
         """Generates up to ``max_tokens`` tokens after ``prompt`` (text or token ids).
@@ -610,6 +618,8 @@ class SpeculativeDecoder:
         queue, say). ``cancel`` (a ``CancelFlag``) stops this call
         alone, from any thread, with finish_reason "cancelled".
         ``on_text`` receives the text as it is committed, in whole UTF-8 characters.
+        ``on_start`` is called once, before any text, when the request takes a slot: every check
+        has passed and it no longer waits (never for a call that ends while it waits).
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         engine = self._live()
@@ -663,7 +673,7 @@ class SpeculativeDecoder:
         request.draft_rule = draft_rule
         request.timeout = seconds
         request.cancel = cancel
-        out = engine.generate(request, on_text)
+        out = engine.generate(request, on_text, on_start)
         if out["stats"]["draft_error"]:
             warnings.warn(
                 f"drafting was dropped for this request: {out['stats']['draft_error']}",

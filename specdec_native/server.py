@@ -1,18 +1,19 @@
 """The OpenAI-compatible HTTP server behind `specdec-cli serve`.
 
 A thin layer: it maps requests to SpeculativeDecoder calls, and results and their stats to
-OpenAI response shapes, llama.cpp-style `timings` and Prometheus metrics. It owns no generation
-state: a request is one `agenerate`/`astream_events` call with its own cancel flag, so a client
-that goes away stops its own generation and nothing else.
+OpenAI response shapes, llama.cpp-style `timings` and Prometheus metrics. A request is one
+`generate` call on a worker thread with its own cancel flag (a `Run`): a client that goes away,
+streamed or not, cancels its own generation and nothing else, and whatever ends a run, its end is
+counted and logged in one place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -29,27 +31,23 @@ from sse_starlette.sse import EventSourceResponse
 
 from specdec_native import _core
 from specdec_native.decoder import AUTO, GenerationResult, SpeculativeDecoder
+from specdec_native.openai_api import (
+    MAX_BODY_BYTES,
+    BodyError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    components_of,
+    openapi_body,
+    parse_body,
+    read_json,
+)
 
 log = logging.getLogger("specdec.server")
 
-MAX_BODY_BYTES = 4 << 20
-# Fields of the OpenAI API that would change what is generated and that this server does not
-# implement: a request using them gets a 400 rather than a silently different answer.
-UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v not in (None, False),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "tools": lambda v: bool(v),
-    "tool_choice": lambda v: v not in (None, "none"),
-    "functions": lambda v: bool(v),
-    "function_call": lambda v: v not in (None, "none"),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
-    "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "echo": lambda v: bool(v),
-    "suffix": lambda v: bool(v),
-    "best_of": lambda v: v not in (None, 1),
-}
+# /health says ready once the models are loaded and the warm-up is done, or this many seconds
+# into the warm-up, whichever is first: on a busy machine a warm-up can take minutes, and a
+# readiness probe must not give up on a server that works (requests wait for the warm-up).
+WARM_UP_BOUND = 20.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,10 @@ class Metrics:
             "specdec:generation_tokens", "Generated tokens", registry=r
         )
         self.requests = Counter(
-            "specdec:requests", "Finished requests, by finish reason", ["finish_reason"], registry=r
+            "specdec:requests",
+            "Requests that ran, by how they ended: a finish reason, or disconnect, shutdown, grace",
+            ["finish_reason"],
+            registry=r,
         )
         self.rejected = Counter(
             "specdec:requests_rejected", "Requests refused, by HTTP status", ["status"], registry=r
@@ -154,7 +155,9 @@ class Metrics:
             registry=r,
         )
 
-    def observe(self, result: GenerationResult, seconds: float, waited: float) -> None:
+    def observe(
+        self, result: GenerationResult, finish_reason: str, seconds: float, waited: float
+    ) -> None:
         s = result.stats
         self.drafts.inc(s.n_speculative_steps)
         self.draft_tokens.inc(s.n_drafted)
@@ -165,7 +168,7 @@ class Metrics:
         self.prompt_tokens.inc(s.n_prompt)
         self.prompt_tokens_cached.inc(s.n_prompt_cached)
         self.generation_tokens.inc(s.n_generated)
-        self.requests.labels(finish_reason=result.finish_reason).inc()
+        self.requests.labels(finish_reason=finish_reason).inc()
         if s.fallback_reason or s.draft_error:
             self.fallbacks.labels(reason=s.draft_error or s.fallback_reason).inc()
         if s.n_generated:
@@ -177,83 +180,7 @@ class Metrics:
         self.e2e.observe(seconds)
 
 
-# -- request parsing ---------------------------------------------------------------------------
-
-
-def _number(body: dict[str, Any], name: str, lo: float, hi: float, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise RequestError(400, f"'{name}' must be a number", param=name)
-    if not lo <= v <= hi:
-        raise RequestError(400, f"'{name}' must be in [{lo}, {hi}], got {v}", param=name)
-    return float(v)
-
-
-def _integer(body: dict[str, Any], name: str, lo: int, hi: int, default: int | None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(400, f"'{name}' must be an integer", param=name)
-    if not lo <= v <= hi:
-        raise RequestError(400, f"'{name}' must be in [{lo}, {hi}], got {v}", param=name)
-    return v
-
-
-def _stop(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise RequestError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-    return list(items)
-
-
-def _speculation(body: dict[str, Any], default: int | str) -> tuple[int | str, float]:
-    """llama.cpp's per-request `speculative` object: n_max (0: off), n_min, p_min."""
-    spec = body.get("speculative")
-    if spec is None:
-        return default, 0.0
-    if not isinstance(spec, dict):
-        raise RequestError(400, "'speculative' must be an object", param="speculative")
-    unknown = set(spec) - {"n_max", "n_min", "p_min"}
-    if unknown:
-        raise RequestError(
-            400, f"unknown 'speculative' fields: {', '.join(sorted(unknown))}", param="speculative"
-        )
-    n_max = _integer(spec, "n_max", 0, 64, None)
-    _integer(spec, "n_min", 0, 64, 0)  # a floor on draft length: speed only, never results
-    p_min = _number(spec, "p_min", 0.0, 1.0, 0.0)
-    return (default if n_max is None else n_max), p_min
-
-
-def _message_text(i: int, message: Any) -> dict[str, str]:
-    if not isinstance(message, dict):
-        raise RequestError(400, f"messages[{i}] must be an object", param="messages")
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not role:
-        raise RequestError(400, f"messages[{i}].role must be a string", param="messages")
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise RequestError(
-                    400, f"messages[{i}]: only text content parts are supported", param="messages"
-                )
-            if not isinstance(part.get("text"), str):
-                raise RequestError(
-                    400, f"messages[{i}]: a text part needs 'text'", param="messages"
-                )
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise RequestError(400, f"messages[{i}].content must be a string", param="messages")
-    if "\0" in content or "\0" in role:
-        raise RequestError(400, f"messages[{i}] contains a NUL character", param="messages")
-    return {"role": role, "content": content}
+# -- requests ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -266,71 +193,134 @@ class Job:
     include_usage: bool
 
 
-def _parse(body: Any, chat: bool, decoder: SpeculativeDecoder, settings: ServerSettings) -> Job:
-    if not isinstance(body, dict):
-        raise RequestError(400, "the request body must be a JSON object")
-    for name, used in UNSUPPORTED.items():
-        if name in body and used(body[name]):
-            raise RequestError(400, f"'{name}' is not supported by this server", param=name)
-    n = _integer(body, "n", 1, 1 << 30, 1)
-    if n != 1:
-        raise RequestError(400, "'n' > 1 is not supported: send one request per choice", param="n")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError(400, "'model' must be a string", param="model")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "'messages' must be a non-empty list", param="messages")
+def _job(
+    body: ChatCompletionRequest | CompletionRequest,
+    decoder: SpeculativeDecoder,
+    settings: ServerSettings,
+) -> Job:
+    """Maps a validated body to a generate() call."""
+    if isinstance(body, ChatCompletionRequest):
         prompt: str | list[int] = decoder.apply_chat_template(
-            [_message_text(i, m) for i, m in enumerate(messages)]
+            [{"role": m.role, "content": m.text} for m in body.messages]
         )
     else:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str):
-            if not p:
-                raise RequestError(400, "'prompt' is empty", param="prompt")
-            prompt = p
-        elif (
-            isinstance(p, list)
-            and p
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-        ):
-            prompt = p
-        else:
-            raise RequestError(
-                400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
-            )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(400, "'stream' must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise RequestError(400, "'stream_options' must be an object", param="stream_options")
-    n_draft, p_min = _speculation(body, settings.n_draft)
+        prompt = body.prompt
+    spec = body.speculative
     limit = decoder.n_ctx
-    max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30, None)
-    max_tokens = _integer(body, "max_tokens", 1, 1 << 30, max_tokens)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(400, "'seed' must be an integer", param="seed")
     kwargs: dict[str, Any] = {
-        "temperature": _number(body, "temperature", 0.0, 100.0, 1.0),
-        "top_p": _number(body, "top_p", 1e-9, 1.0, 1.0),
-        "top_k": _integer(body, "top_k", 0, 1 << 30, 0),
-        "min_p": _number(body, "min_p", 0.0, 1.0, 0.0),
-        "seed": None if seed is None else seed % (1 << 64),
-        "stop": _stop(body),
-        "n_draft": n_draft,
-        "draft_p_min": p_min,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": body.top_k or 0,
+        "min_p": body.min_p or 0.0,
+        "seed": None if body.seed is None else body.seed % (1 << 64),
+        "stop": body.stops,
+        "n_draft": settings.n_draft if spec is None or spec.n_max is None else spec.n_max,
+        "draft_p_min": 0.0 if spec is None else spec.p_min,
+        # Without max_tokens, generate until the end token or a full context, as OpenAI does.
+        "max_tokens": min(body.token_limit or limit, limit),
     }
     if settings.request_timeout:
         kwargs["deadline"] = time.monotonic() + settings.request_timeout
-    # Without max_tokens, generate until the end token or a full context, as OpenAI does.
-    kwargs["max_tokens"] = min(max_tokens or limit, limit)
-    return Job(prompt, kwargs, stream, bool(options.get("include_usage")))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Job(prompt, kwargs, body.stream, include_usage)
+
+
+def _refusal(e: BaseException) -> RequestError:
+    """The response to a call that raised instead of generating."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, BodyError):
+        return RequestError(e.status, e.message, param=e.param)
+    if isinstance(e, _core.ContextOverflowError):
+        return RequestError(400, str(e), code="context_length_exceeded")
+    if isinstance(e, (ValueError, TypeError)):
+        return RequestError(400, str(e))
+    # The model or the backend failed (non-finite logits, ...).
+    return RequestError(500, f"{type(e).__name__}: {e}", kind="server_error")
+
+
+class Run:
+    """One request's generate() call on a worker thread: its cancel flag, its text as it comes,
+    and why the server cut it short, if it did ("disconnect": the client went away; "shutdown":
+    it still waited for a slot at SIGTERM; "grace": still running when the grace period ended)."""
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        job: Job,
+        rid: str,
+        chat: bool,
+        arrived: float,
+        on_start: Callable[[], None],
+    ) -> None:
+        self.job, self.rid, self.chat, self.arrived = job, rid, chat, arrived
+        self.flag = _core.CancelFlag()
+        self.started = asyncio.Event()  # the engine gave it a slot: every check passed
+        self.pieces: asyncio.Queue[str | None] = asyncio.Queue()  # None: no more
+        self.cut: str | None = None
+        loop = asyncio.get_running_loop()
+
+        # On the worker thread: hand over to the event loop.
+        def text_came(text: str) -> None:
+            loop.call_soon_threadsafe(self.pieces.put_nowait, text)
+
+        def slot_taken() -> None:
+            loop.call_soon_threadsafe(self._started, on_start)
+
+        call = functools.partial(
+            decoder.generate,
+            job.prompt,
+            on_text=text_came,
+            on_start=slot_taken,
+            cancel=self.flag,
+            **job.kwargs,
+        )
+        self.future: asyncio.Future[GenerationResult] = loop.run_in_executor(None, call)
+        # Runs after every piece the worker handed over (call_soon_threadsafe keeps their order).
+        self.future.add_done_callback(lambda _: self.pieces.put_nowait(None))
+
+    def _started(self, then: Callable[[], None]) -> None:
+        self.started.set()
+        then()
+
+    def cancel(self, why: str) -> None:
+        if not self.future.done():
+            self.cut = self.cut or why
+            self.flag.cancel()
+
+    async def until_started(self, request: Request) -> bool:
+        """Waits until the run has a slot (True), or has ended, or the client has gone away
+        (then the run is cancelled); False in both latter cases."""
+        started = asyncio.ensure_future(self.started.wait())
+        gone = asyncio.ensure_future(_disconnected(request))
+        awaited: set[asyncio.Future[Any]] = {started, gone, self.future}
+        try:
+            await asyncio.wait(awaited, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+            gone.cancel()
+        if gone.done() and not gone.cancelled() and not self.started.is_set():
+            self.cancel("disconnect")
+        return self.started.is_set()
+
+    async def until_done(self, request: Request) -> bool:
+        """Waits for the result; False (and the run cancelled) if the client goes away first."""
+        gone = asyncio.ensure_future(_disconnected(request))
+        awaited: set[asyncio.Future[Any]] = {gone, self.future}
+        try:
+            await asyncio.wait(awaited, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not self.future.done():
+            self.cancel("disconnect")
+            return False
+        return True
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (its body has been read: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -374,7 +364,8 @@ def timings(result: GenerationResult, waited: float) -> dict[str, Any]:
 
 
 class Server:
-    """The decoder, the admission count, the metrics; request handling on top."""
+    """The decoder, the requests admitted (running or waiting), the metrics; request handling
+    on top."""
 
     def __init__(
         self,
@@ -388,16 +379,30 @@ class Server:
         self.metrics = Metrics()
         self.decoder: SpeculativeDecoder | None = None
         self.ready = False
+        self.draining = False  # SIGTERM came: no new work
         self.load_error: str | None = None
-        self.admitted = 0  # running + waiting
+        self.admitted = 0  # requests past admission: parsing, waiting for a slot or running
+        self.runs: set[Run] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         """Loads the models and warms up (costs calibrated, one tiny generation), off the event
-        loop; /health answers 503 until this is done."""
-        loop = asyncio.get_running_loop()
+        loop; /health answers 503 until the models are loaded and the warm-up is done or has
+        taken WARM_UP_BOUND seconds."""
+        loop = self.loop = asyncio.get_running_loop()
         try:
             self.decoder = await loop.run_in_executor(None, self.load)
-            await loop.run_in_executor(None, self._warm_up, self.decoder)
+            warm_up = loop.run_in_executor(None, self._warm_up, self.decoder)
+            done, _ = await asyncio.wait({warm_up}, timeout=WARM_UP_BOUND)
+            if done:
+                warm_up.result()
+            else:
+                log.warning(
+                    "the warm-up is taking over %.0f s (a busy machine?): ready; the first "
+                    "requests wait for it",
+                    WARM_UP_BOUND,
+                )
+                warm_up.add_done_callback(self._warmed_up_late)
         except Exception as e:  # a server without its model stops (and says why)
             self.load_error = (
                 str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
@@ -411,9 +416,43 @@ class Server:
     def _warm_up(self, decoder: SpeculativeDecoder) -> None:
         decoder.generate("Hello", 4, n_draft=self.settings.n_draft, temperature=0.0)
 
+    def _warmed_up_late(self, warm_up: asyncio.Future[None]) -> None:
+        if warm_up.cancelled():
+            return
+        error = warm_up.exception()
+        if error is not None:
+            log.error("the warm-up failed: %s: %s", type(error).__name__, error)
+        else:
+            log.info("warm-up done")
+
     def close(self) -> None:
         if self.decoder is not None:
             self.decoder.close()
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """On SIGTERM (from the signal handler): requests still waiting for a slot get a 503 at
+        once, new ones too; running ones get `grace` seconds, then are cut (a stream ends with a
+        finish reason and [DONE])."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        for run in list(self.runs):
+            if not run.started.is_set():
+                run.cancel("shutdown")
+        assert self.loop is not None
+        self.loop.call_later(self.settings.grace, self._cut_running)
+
+    def _cut_running(self) -> None:
+        for run in list(self.runs):
+            run.cancel("grace")
+
+    # -- admission -----------------------------------------------------------------------------
 
     def check_auth(self, request: Request) -> None:
         key = self.settings.api_key
@@ -430,6 +469,8 @@ class Server:
             )
 
     def admit(self) -> None:
+        if self.draining:
+            raise _shutting_down()
         if not self.ready or self.decoder is None:
             raise RequestError(
                 503, "the model is still loading", kind="server_error", headers={"Retry-After": "5"}
@@ -450,142 +491,171 @@ class Server:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
-        # n_parallel requests generate; the rest wait for a slot.
-        n = self.settings.n_parallel
-        self.metrics.running.set(min(self.admitted, n))
-        self.metrics.waiting.set(max(self.admitted - n, 0))
+        running = sum(1 for run in self.runs if run.started.is_set() and not run.future.done())
+        self.metrics.running.set(running)
+        self.metrics.waiting.set(self.admitted - running)
+
+    # -- requests ------------------------------------------------------------------------------
 
     async def handle(self, request: Request, chat: bool) -> Response:
-        started = time.monotonic()
+        arrived = time.monotonic()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             self.check_auth(request)
-            body = await _read_json(request)
+            raw = await _read_body(request)
             self.admit()
         except RequestError as e:
-            self.metrics.rejected.labels(status=str(e.status)).inc()
-            return e.response()
+            return self._refuse(rid, e)
         assert self.decoder is not None
-        admitted_here = True
         try:
-            job = _parse(body, chat, self.decoder, self.settings)
-            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            if job.stream:
-                admitted_here = False  # the stream releases it when it ends
+            job = _job(parse_body(read_json(raw), chat), self.decoder, self.settings)
+        except Exception as e:  # a bad body, or a chat template that cannot take the messages
+            self.release()
+            return self._refuse(rid, _refusal(e))
+        run = Run(self.decoder, job, rid, chat, arrived, on_start=self._update_gauges)
+        self.runs.add(run)
+        run.future.add_done_callback(lambda _: self._ended(run))
+        if job.stream:
+            if await run.until_started(request):
                 return EventSourceResponse(
-                    self._stream(job, rid, chat, started),
+                    self._events(run),
                     ping=15,
                     sep="\n",
-                    # On SIGTERM a running stream goes on to its end, within the grace period
-                    # (by default sse-starlette cuts it at once).
-                    shutdown_grace_period=self.settings.grace,
+                    # Running streams are cut at the grace limit by the server itself, with a
+                    # last chunk and [DONE]; sse-starlette's own cut is only a backstop.
+                    shutdown_grace_period=self.settings.grace + 5,
                 )
-            result = await self.decoder.agenerate(job.prompt, **job.kwargs)
-            waited = self._finish(rid, result, started)
-            return JSONResponse(self._completion(rid, chat, result, waited))
-        except RequestError as e:
-            self.metrics.rejected.labels(status=str(e.status)).inc()
-            return e.response()
-        except _core.ContextOverflowError as e:
-            self.metrics.rejected.labels(status="400").inc()
-            return RequestError(400, str(e), code="context_length_exceeded").response()
-        except (ValueError, TypeError) as e:
-            self.metrics.rejected.labels(status="400").inc()
-            return RequestError(400, str(e)).response()
-        except RuntimeError as e:  # the model or the backend failed (non-finite logits, ...)
-            log.error("request failed: %s: %s", type(e).__name__, e)
-            return RequestError(500, f"{type(e).__name__}: {e}", kind="server_error").response()
-        finally:
-            if admitted_here:
-                self.release()
+        elif not await run.until_done(request):
+            return Response(status_code=499)  # nobody is there to read it
+        if not run.future.done():  # a stream whose client hung up while it waited
+            return Response(status_code=499)
+        error = run.future.exception()
+        if error is not None:
+            return _refusal(error).response()
+        if run.cut == "shutdown":
+            return _shutting_down().response()
+        result = run.future.result()
+        if job.stream:  # ended while it waited (its deadline): no text, but a stream all the same
+            return EventSourceResponse(self._events(run), sep="\n")
+        return JSONResponse(self._completion(run, result))
 
-    def _finish(self, rid: str, result: GenerationResult, started: float) -> float:
-        """Counts and logs a finished request; returns the seconds it waited for the engine."""
-        seconds = time.monotonic() - started
-        # Requests queue for the engine's thread before its own clock starts.
-        waited = max(seconds - result.stats.t_total, result.stats.t_queue)
-        self.metrics.observe(result, seconds, waited)
+    def _refuse(self, rid: str, e: RequestError) -> Response:
+        """A request refused before it ran: counted and logged."""
+        self.metrics.rejected.labels(status=str(e.status)).inc()
+        log.info("refused", extra={"fields": {"id": rid, "status": e.status, "error": e.message}})
+        return e.response()
+
+    def _ended(self, run: Run) -> None:
+        """Every run ends here, on the event loop, whatever ended it: one count, one log line."""
+        self.runs.discard(run)
+        self.release()
+        error = run.future.exception()
+        fields: dict[str, Any] = {"id": run.rid}
+        if error is not None:
+            refusal = _refusal(error)
+            self.metrics.rejected.labels(status=str(refusal.status)).inc()
+            if refusal.status >= 500:
+                log.error("request failed: %s", refusal.message, extra={"fields": fields})
+            else:
+                fields.update(status=refusal.status, error=refusal.message)
+                log.info("refused", extra={"fields": fields})
+            return
+        result = run.future.result()
+        seconds = time.monotonic() - run.arrived
+        waited = self._waited(run, result)
+        # A cut names who cut it: the client, a shutdown, the grace limit.
+        ended = run.cut if result.finish_reason == "cancelled" and run.cut else result.finish_reason
+        self.metrics.observe(result, ended, seconds, waited)
         s = result.stats
-        fields = {
-            "id": rid,
-            "prompt_tokens": s.n_prompt,
-            "cached_tokens": s.n_prompt_cached,
-            "completion_tokens": s.n_generated,
-            "finish_reason": result.finish_reason,
-            "acceptance_rate": round(s.acceptance_rate, 3),
-            "fallback_reason": s.draft_error or s.fallback_reason,
-            "latency_s": round(seconds, 3),
-        }
+        fields.update(
+            prompt_tokens=s.n_prompt,
+            cached_tokens=s.n_prompt_cached,
+            completion_tokens=s.n_generated,
+            finish_reason=str(ended),
+            acceptance_rate=round(s.acceptance_rate, 3),
+            fallback_reason=s.draft_error or s.fallback_reason,
+            latency_s=round(seconds, 3),
+        )
         log.info("request", extra={"fields": fields})
-        return waited
 
-    def _completion(
-        self, rid: str, chat: bool, result: GenerationResult, waited: float
-    ) -> dict[str, Any]:
+    def _waited(self, run: Run, result: GenerationResult) -> float:
+        """Seconds the request waited for the engine (it queues for the engine's thread before
+        the engine's own clock starts)."""
+        seconds = time.monotonic() - run.arrived
+        return max(seconds - result.stats.t_total, result.stats.t_queue)
+
+    def _completion(self, run: Run, result: GenerationResult) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
-        if chat:
+        if run.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
             choice["logprobs"] = None
         return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
+            "id": run.rid,
+            "object": "chat.completion" if run.chat else "text_completion",
             "created": int(time.time()),
             "model": self.settings.model_alias,
             "choices": [choice],
             "usage": _usage(result),
-            "timings": timings(result, waited),
+            "timings": timings(result, self._waited(run, result)),
         }
 
-    def _chunk(self, rid: str, chat: bool, text: str | None, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, run: Run, text: str | None, finish: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        if chat:
+        if run.chat:
             choice["delta"] = {} if text is None else {"content": text}
         else:
             choice["text"] = text or ""
             choice["logprobs"] = None
         return {
-            "id": rid,
-            "object": "chat.completion.chunk" if chat else "text_completion",
+            "id": run.rid,
+            "object": "chat.completion.chunk" if run.chat else "text_completion",
             "created": int(time.time()),
             "model": self.settings.model_alias,
             "choices": [choice],
         }
 
-    async def _stream(self, job: Job, rid: str, chat: bool, started: float) -> AsyncIterator[str]:
-        assert self.decoder is not None
+    async def _events(self, run: Run) -> AsyncIterator[str]:
+        """The run's text as server-sent events, then its finish reason, usage and [DONE]. A
+        client that goes away cancels this task: leaving here cancels the run."""
         try:
-            if chat:
-                first = self._chunk(rid, chat, None, None)
+            if run.chat:
+                first = self._chunk(run, None, None)
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield json.dumps(first)
-            # A client that goes away cancels this task: leaving the loop stops the generation.
-            async for item in self.decoder.astream_events(job.prompt, **job.kwargs):
-                if isinstance(item, str):
-                    yield json.dumps(self._chunk(rid, chat, item, None))
-                    continue
-                waited = self._finish(rid, item, started)
-                last = self._chunk(rid, chat, None if chat else "", _finish_reason(item))
-                last["timings"] = timings(item, waited)
-                yield json.dumps(last)
-                if job.include_usage:
-                    usage = self._chunk(rid, chat, None, None)
-                    usage["choices"] = []
-                    usage["usage"] = _usage(item)
-                    yield json.dumps(usage)
+            while (piece := await run.pieces.get()) is not None:
+                yield json.dumps(self._chunk(run, piece, None))
+            error = run.future.exception()
+            if error is not None:  # the model or the backend failed mid-stream
+                refusal = _refusal(error)
+                yield json.dumps({"error": {"message": refusal.message, "type": refusal.kind}})
+                return
+            result = run.future.result()
+            last = self._chunk(run, None if run.chat else "", _finish_reason(result))
+            last["timings"] = timings(result, self._waited(run, result))
+            yield json.dumps(last)
+            if run.job.include_usage:
+                usage = self._chunk(run, None, None)
+                usage["choices"] = []
+                usage["usage"] = _usage(result)
+                yield json.dumps(usage)
             yield "[DONE]"
-        except (_core.ContextOverflowError, ValueError, TypeError) as e:
-            yield json.dumps({"error": {"message": str(e), "type": "invalid_request_error"}})
-        except RuntimeError as e:  # the model or the backend failed mid-stream
-            log.error("request failed: %s: %s", type(e).__name__, e)
-            yield json.dumps(
-                {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}}
-            )
         finally:
-            self.release()
+            run.cancel("disconnect")  # no effect once the run has ended
 
 
-async def _read_json(request: Request) -> Any:
+def _shutting_down() -> RequestError:
+    return RequestError(
+        503,
+        "the server is shutting down; try another replica or again shortly",
+        kind="server_error",
+        code="shutting_down",
+        headers={"Retry-After": "5"},
+    )
+
+
+async def _read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
@@ -595,10 +665,7 @@ async def _read_json(request: Request) -> Any:
         if size > MAX_BODY_BYTES:
             raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+    return b"".join(chunks)
 
 
 class _TextFormatter(logging.Formatter):
@@ -653,13 +720,25 @@ def create_app(
     async def request_error(_: Request, e: RequestError) -> JSONResponse:
         return e.response()
 
-    @app.post("/v1/chat/completions")
+    # The endpoints read their bodies themselves, within bounds (openai_api.read_json); their
+    # OpenAPI entries say what the body models take.
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await server.handle(request, chat=False)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(components_of(ChatCompletionRequest, CompletionRequest))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -477,3 +480,21 @@ def test_llama_cpp_output_is_read() -> None:
     assert abs(run.tokens_per_second - 145 / 1.159) < 1e-6
     with pytest.raises(RuntimeError, match="no speed"):
         vs.parse_output("error: failed to load model")
+
+
+def test_ctrl_c_while_starting_is_quiet(tiny_pair: models.ModelPair) -> None:
+    # Ctrl-C at any moment of the start (imports, model load) ends the command without a
+    # traceback: quietly by the signal during the imports, with exit 130 after.
+    cmd = [*CLI, "info", str(tiny_pair.target)]
+    for delay in (0.02, 0.04, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.3, 0.5):
+        proc = subprocess.Popen(
+            cmd, cwd=Path(__file__).parent.parent, stderr=subprocess.PIPE, text=True
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        # Only the interpreter's own start (runpy, before any module of ours) can be caught
+        # with a traceback; none of it may come from an import of ours or a library's.
+        frames = re.findall(r'File "([^"]+)"', err)
+        assert all(f.startswith("<frozen") for f in frames), f"after {delay} s: {err}"
+        assert proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err)

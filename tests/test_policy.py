@@ -86,7 +86,7 @@ def test_falls_back_where_the_draft_is_always_wrong() -> None:
     probes = [i for i, k in enumerate(ks) if i > 0 and k > 0]
     assert 1 <= len(probes) <= 6
     assert ks[-40:].count(0) >= 38
-    assert p.choose(10) == (0, "low acceptance")
+    assert p.choose(10) == (0, "low acceptance on earlier text")
 
 
 def test_a_step_costs_k_draft_decodes_and_a_two_token_catch_up_when_all_pass() -> None:

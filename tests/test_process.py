@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -289,3 +290,33 @@ def test_ctrl_c_while_waiting_for_the_decoder_stops_only_the_waiting_call(
     assert proc.wait(timeout=120) == 0
     assert first[0] == "interrupted" and float(first[1]) < 2.0, first
     assert "other length 3000" in rest, rest  # the running generation was not the one stopped
+
+
+def generate_for(dec: sd.SpeculativeDecoder, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        dec.generate([1, 300, 270], 64, temperature=0.0)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: nothing to give up")
+def test_threads_follow_the_load_unless_given(tiny_pair: models.ModelPair) -> None:
+    cores = os.cpu_count() or 1
+    governed = sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, n_draft=3)
+    fixed = sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, n_draft=3, n_threads=cores)
+    assert governed.n_threads_now == fixed.n_threads_now == cores
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)
+        generate_for(governed, 2.0)
+        generate_for(fixed, 1.0)
+        assert governed.n_threads_now < cores  # the busy cores were given up
+        assert fixed.n_threads_now == cores  # a thread count given is kept
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    time.sleep(0.5)
+    generate_for(governed, 2.5)  # two looks that find the cores free again
+    assert governed.n_threads_now == cores
+    governed.close()
+    fixed.close()

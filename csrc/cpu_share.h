@@ -1,0 +1,40 @@
+// How many threads a decode gets on a machine the engine may share with other processes.
+#pragma once
+
+#include <chrono>
+
+namespace specdec {
+
+// The threads of one llama.cpp decode wait for each other at every barrier (one per graph
+// node), so one thread that the kernel deschedules stalls all the others: beside two busy
+// processes on two cores, two threads ran 2-10x slower than one. While other processes keep
+// cores busy the decode gets the cores they leave idle (at least one); alone, all of `max`.
+class ThreadGovernor {
+  public:
+    // `enabled` false: always `max` (the user chose the thread count).
+    ThreadGovernor(int max, bool enabled);
+    // The threads for the next decode. Looks at the machine at most every kInterval (two small
+    // reads of /proc), and moves down at once but up only after two looks agree.
+    int threads();
+    int current() const { return current_; }
+
+  private:
+    struct Sample {
+        long long busy = 0, total = 0, self = 0;  // clock ticks: all CPUs, all CPUs, this process
+        bool ok = false;
+    };
+    static Sample read_sample();
+    // Cores other processes kept busy since the last sample.
+    double others_busy(const Sample& now) const;
+
+    static constexpr std::chrono::milliseconds kInterval{500};
+    const int max_;
+    const bool enabled_;
+    int current_;
+    int pending_up_ = 0;  // looks in a row that found room for more threads
+    int n_cpus_;
+    Sample last_;
+    std::chrono::steady_clock::time_point last_look_;
+};
+
+}  // namespace specdec

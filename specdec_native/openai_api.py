@@ -1,0 +1,228 @@
+"""The server's request bodies: OpenAI's chat and completion requests (and llama.cpp's
+`speculative` object) as pydantic models, read from JSON within bounds.
+
+Every bound is here: the body's size, its nesting, its numbers, the `stop` list. A body that
+breaks one is a `BodyError` naming the field, never an exception from deep inside a parser.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_BODY_BYTES = 4 << 20
+MAX_NUMBER_DIGITS = 20  # 2**64 - 1 has 20: no field means anything past it
+MAX_STOPS = 16  # OpenAI takes 4; llama.cpp users send a few more
+MAX_STOP_CHARS = 512
+MAX_SPECULATIVE = 64
+MAX_INT = 1 << 30
+
+# Fields of the OpenAI API that would change what is generated and that this server does not
+# implement: a request using them gets a 400 rather than a silently different answer.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v not in (None, False),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: bool(v),
+    "function_call": lambda v: v not in (None, "none"),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "echo": lambda v: bool(v),
+    "suffix": lambda v: bool(v),
+    "best_of": lambda v: v not in (None, 1),
+}
+
+
+class BodyError(ValueError):
+    """A body the server refuses: `status` (400 or 413), a message, the field it concerns."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+class _Body(BaseModel):
+    # Strict: "1" is not a number, 1.0 not an integer, 1 not a boolean. Unknown fields (a
+    # client's "user", "metadata", ...) are ignored, as OpenAI does.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class Speculative(_Body):
+    """llama.cpp's per-request speculation settings."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    n_max: Optional[int] = Field(None, ge=0, le=MAX_SPECULATIVE, description="K; 0: no drafting")
+    n_min: int = Field(0, ge=0, le=MAX_SPECULATIVE, description="accepted; speed only")
+    p_min: float = Field(0.0, ge=0.0, le=1.0, description="stop a draft below this probability")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    """What both endpoints take."""
+
+    model: Optional[str] = Field(None, max_length=256)
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    temperature: Optional[float] = Field(None, ge=0.0, le=100.0, description="default 1")
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=0, le=MAX_INT)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)
+    stop: Union[str, list[str], None] = Field(
+        None, description=f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters"
+    )
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = Field(None, ge=1, le=1, description="one choice per request")
+    speculative: Optional[Speculative] = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _bounded_stops(cls, stop: Any) -> Any:
+        items = [stop] if isinstance(stop, str) else stop
+        if stop is None:
+            return None
+        if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+            raise ValueError("must be a non-empty string or a list of them")
+        if len(items) > MAX_STOPS:
+            raise ValueError(f"takes at most {MAX_STOPS} strings, got {len(items)}")
+        if any(len(s) > MAX_STOP_CHARS for s in items):
+            raise ValueError(f"strings are at most {MAX_STOP_CHARS} characters")
+        return items
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+
+class ContentPart(_Body):
+    type: str
+    text: Optional[str] = None
+
+
+class Message(_Body):
+    role: str = Field(min_length=1, max_length=64)
+    content: Union[str, list[ContentPart]]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _text_only(cls, content: str | list[ContentPart]) -> str | list[ContentPart]:
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text":
+                    raise ValueError("only text content parts are supported")
+                if part.text is None:
+                    raise ValueError("a text part needs 'text'")
+        return content
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Generation):
+    prompt: Union[str, list[int]] = Field(description="text, or token ids; a batch of one")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, p: Any) -> Any:
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, str) and p:
+            return p
+        if isinstance(p, list) and p and all(type(t) is int for t in p):
+            return p
+        raise ValueError("must be a non-empty string or a list of token ids (one prompt)")
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_NUMBER_DIGITS:
+        raise BodyError(f"the body has an integer of more than {MAX_NUMBER_DIGITS} digits")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise BodyError("the body has a number too large for a 64-bit float")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise BodyError(f"the body has {name}, which is not JSON")
+
+
+def read_json(raw: bytes) -> Any:
+    """The body as Python values, or a BodyError: invalid JSON, numbers past any field's range,
+    NaN/Infinity, nesting past the parser's recursion limit."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise BodyError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
+    try:
+        return json.loads(
+            raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant
+        )
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BodyError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BodyError("the request body is nested too deeply") from None
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+    """The body validated as `chat` says; the first problem found as a BodyError."""
+    if not isinstance(body, dict):
+        raise BodyError("the request body must be a JSON object")
+    for name, used in UNSUPPORTED.items():
+        if name in body and used(body[name]):
+            raise BodyError(f"'{name}' is not supported by this server", param=name)
+    if body.get("n") not in (None, 1) and type(body.get("n")) is int:
+        raise BodyError("'n' > 1 is not supported: send one request per choice", param="n")
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        error = e.errors(include_url=False, include_input=False)[0]
+        param = _field_path(error["loc"])
+        msg = str(error["msg"]).removeprefix("Value error, ")
+        raise BodyError(f"'{param}': {msg}", param=param.split(".")[0].split("[")[0]) from None
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for an endpoint that reads `model` itself: its schema, with the models it
+    uses under components (`components_of` collects them)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def components_of(*models: type[BaseModel]) -> dict[str, Any]:
+    """The schemas the request models refer to, for the OpenAPI document's components."""
+    out: dict[str, Any] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.get("$defs", {}))
+    return out

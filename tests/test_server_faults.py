@@ -1,0 +1,247 @@
+"""The server against hostile clients and shutdowns: raw sockets that hang up, crafted bodies,
+SIGTERM with requests queued and streams running. A real server process on 127.0.0.1; every
+loop is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import Server, start
+
+from specdec_native import models
+
+COUNTING = "Count from one to one thousand in words: one, two, three, four,"
+
+
+def scrape(server: Server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("specdec:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def raw_request(server: Server, path: str, body: dict[str, object]) -> socket.socket:
+    """Sends a request on a raw socket and returns the socket, unread."""
+    data = json.dumps(body).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def wait_for(what: str, ok: object, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if callable(ok) and ok():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not within {seconds} s: {what}")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_q40: Path) -> Iterator[Server]:
+    # Two slots and a small queue: hung-up requests that kept running would hold them all.
+    s = start(smollm2_q40, "--draft", "ngram", "-c", "2048", "-np", "2", "--max-queue", "4")
+    yield s
+    assert s.stop() == 0
+
+
+def test_clients_that_hang_up_unstreamed_free_their_slots(server: Server) -> None:
+    before = scrape(server)
+    body = {"prompt": COUNTING, "max_tokens": 1500, "temperature": 0}
+    socks = [raw_request(server, "/v1/completions", body) for _ in range(6)]
+    wait_for(
+        "two running, four waiting",
+        lambda: scrape(server)["specdec:num_requests_waiting"] == 4,
+    )
+    for sock in socks:
+        sock.close()
+    # Each is cancelled within a step: the slots are free long before 1,500 tokens.
+    wait_for(
+        "the hung-up requests stopped",
+        lambda: (
+            scrape(server)["specdec:num_requests_running"] == 0
+            and scrape(server)["specdec:num_requests_waiting"] == 0
+        ),
+        seconds=10,
+    )
+    after = scrape(server)
+    key = 'specdec:requests_total{finish_reason="disconnect"}'
+    assert after[key] - before.get(key, 0) == 6  # counted, and named
+    assert server.stderr().count("finish_reason=disconnect") >= 6  # and logged
+    r = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30
+    )
+    assert r.status_code == 200 and r.json()["timings"]["queue_ms"] < 2000
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        (b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", "digits"),
+        (b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "digits"),
+        (b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b".0}", "too large"),
+        (b'{"prompt": "x", "temperature": NaN}', "NaN"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        (json.dumps({"prompt": "x", "stop": ["ab"] * 300_000}).encode(), "at most 16"),
+        (json.dumps({"prompt": "x", "stop": "z" * 3_000_000}).encode(), "at most 512"),
+        (json.dumps({"prompt": "x", "max_tokens": True}).encode(), "max_tokens"),
+        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "stream"),
+        (json.dumps({"prompt": "x", "speculative": {"n_max": 1e3}}).encode(), "speculative"),
+    ],
+)
+def test_crafted_bodies_get_a_400_on_a_connection_that_stays_open(
+    server: Server, raw: bytes, match: str
+) -> None:
+    with httpx.Client(timeout=30) as client:
+        started = time.monotonic()
+        r = client.post(
+            server.url + "/v1/completions",
+            content=raw,
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert match in error["message"] and error["type"] == "invalid_request_error"
+        assert time.monotonic() - started < 5
+        assert client.get(server.url + "/health").status_code == 200  # the same connection
+    assert "Traceback" not in server.stderr()
+
+
+def test_a_streamed_prompt_over_the_context_is_a_400_before_any_stream(server: Server) -> None:
+    body = {"prompt": "word " * 3000, "max_tokens": 4, "stream": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_stream_cut_at_the_grace_limit_ends_cleanly_and_queued_requests_get_503(
+    smollm2_q40: Path,
+) -> None:
+    s = start(smollm2_q40, "--draft", "ngram", "-c", "2048", "-np", "1", "--grace", "2")
+    body = {"prompt": COUNTING, "max_tokens": 1500, "temperature": 0}
+    url = s.url + "/v1/completions"
+    events: list[str] = []
+    try:
+        with (
+            ThreadPoolExecutor(3) as pool,
+            httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as stream,
+        ):
+            lines = stream.iter_lines()
+            events.append(next(lines))  # running: it has a slot
+            queued = [
+                pool.submit(httpx.post, url, json=body, timeout=60),
+                pool.submit(httpx.post, url, json={**body, "stream": True}, timeout=60),
+            ]
+            wait_for("two waiting", lambda: scrape(s)["specdec:num_requests_waiting"] == 2)
+            signalled = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            refused = [f.result() for f in queued]
+            refused_after = time.monotonic() - signalled
+            events += [line for line in lines if line]
+            cut_after = time.monotonic() - signalled
+        code = s.proc.wait(timeout=60)
+    finally:
+        s.stop()
+    for r in refused:
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["error"]["code"] == "shutting_down"
+    assert refused_after < 1.5  # at once, not after the grace period
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["timings"]["predicted_n"] < 1500  # cut, not finished
+    assert 1.5 < cut_after < 10
+    assert code == 0
+    log = s.stderr()
+    assert "finish_reason=grace" in log and log.count("finish_reason=shutdown") == 2
+    assert "Traceback" not in log
+
+
+def open_fds(server: Server) -> int:
+    return len(os.listdir(f"/proc/{server.proc.pid}/fd"))
+
+
+def test_a_soak_of_hostile_traffic_loses_nothing_and_leaks_nothing(
+    tiny_pair: models.ModelPair,
+) -> None:
+    # 500 requests at concurrency 8 against 4 slots: streamed and not, clients that hang up
+    # mid-request or mid-stream, bad bodies. Every one is answered or counted; afterwards no slot
+    # is held and fds and RSS are back where they were.
+    s = start(
+        tiny_pair.target, "--draft", tiny_pair.draft, "-t", "1", "-c", "4096",
+        "-np", "4", "--max-queue", "8",
+    )  # fmt: skip
+    url = s.url + "/v1/completions"
+    rng = random.Random(7)
+    kinds = ["plain", "stream", "hang_up", "stream_hang_up", "bad_body"]
+    plan = [rng.choice(kinds) for _ in range(500)]
+
+    def one(i: int) -> str:
+        body = {"prompt": [1, 250 + i % 50], "max_tokens": rng.choice([8, 300, 3000])}
+        kind = plan[i]
+        if kind == "bad_body":
+            r = httpx.post(url, content=b'{"prompt": [1], "top_p": 0}', timeout=60)
+            assert r.status_code == 400, r.text
+        elif kind == "hang_up":
+            sock = raw_request(s, "/v1/completions", body)
+            time.sleep(rng.uniform(0, 0.05))
+            sock.close()
+        elif kind == "stream_hang_up":
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+                if r.status_code == 200:
+                    next(r.iter_lines())
+        else:
+            stream = kind == "stream"
+            with httpx.stream("POST", url, json={**body, "stream": stream}, timeout=60) as r:
+                text = "".join(r.iter_lines())
+                assert r.status_code in (200, 503), text
+                if r.status_code == 200 and stream:
+                    assert text.endswith("data: [DONE]")
+        return kind
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(16)))  # warm: allocator pools, metric label sets
+        wait_for("idle", lambda: scrape(s)["specdec:num_requests_running"] == 0)
+        fds, rss, before = open_fds(s), s.rss_mib(), scrape(s)
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, range(16, 500)))
+        wait_for(
+            "every request ended",
+            lambda: (
+                scrape(s)["specdec:num_requests_running"] == 0
+                and scrape(s)["specdec:num_requests_waiting"] == 0
+            ),
+        )
+        after = scrape(s)
+        # Every request reached the server and was counted once: as a run (however it ended)
+        # or as a refusal (a bad body, a full queue).
+        counted = sum(
+            v - before.get(k, 0)
+            for k, v in after.items()
+            if k.startswith(("specdec:requests_total{", "specdec:requests_rejected_total{"))
+        )
+        assert counted == 484
+        assert after.get('specdec:requests_total{finish_reason="disconnect"}', 0) > 0
+        assert open_fds(s) <= fds + 2
+        assert s.rss_mib() - rss < 16
+    finally:
+        assert s.stop() == 0
+    assert "Traceback" not in s.stderr()
