@@ -58,8 +58,9 @@ double ThreadGovernor::others_busy(const Sample& now) const {
 int ThreadGovernor::threads() {
     if (!enabled_) return max_;
     const auto now_time = std::chrono::steady_clock::now();
-    if (now_time - last_look_ < kInterval) return current_;
+    if (now_time - last_look_ < (looked_ ? kInterval : kFirstLook)) return current_;
     last_look_ = now_time;
+    looked_ = true;
     const Sample now = read_sample();
     if (!now.ok || !last_.ok) {
         last_ = now;

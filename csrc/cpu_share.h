@@ -14,7 +14,8 @@ class ThreadGovernor {
     // `enabled` false: always `max` (the user chose the thread count).
     ThreadGovernor(int max, bool enabled);
     // The threads for the next decode. Looks at the machine at most every kInterval (two small
-    // reads of /proc), and moves down at once but up only after two looks agree.
+    // reads of /proc; the first look kFirstLook after construction), and moves down at once but
+    // up only after two looks agree.
     int threads();
     int current() const { return current_; }
 
@@ -28,6 +29,8 @@ class ThreadGovernor {
     double others_busy(const Sample& now) const;
 
     static constexpr std::chrono::milliseconds kInterval{500};
+    static constexpr std::chrono::milliseconds kFirstLook{100};  // after the first sample
+    bool looked_ = false;
     const int max_;
     const bool enabled_;
     int current_;

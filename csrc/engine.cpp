@@ -101,6 +101,10 @@ struct Engine::Job {
 Engine::Engine(const EngineConfig& config)
     : config_(config), target_batch_(std::max(config.target.n_batch, kMaxDraft + 1)) {
     install_log_handler(config.verbose);
+    // First, so that its first look at the machine covers the models' loading.
+    const bool threads_given = config.target.n_threads > 0;
+    governor_ = std::make_unique<ThreadGovernor>(
+        threads_given ? config.target.n_threads : default_threads(), !threads_given);
     if (config.n_draft < 0 || config.n_draft > kMaxDraft)
         throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
     if (config.ngram_min < 1 || config.ngram_max < config.ngram_min || config.ngram_max > 16)
@@ -136,8 +140,6 @@ Engine::Engine(const EngineConfig& config)
     }
     slots_.resize(static_cast<size_t>(config.n_parallel));
     last_used_.assign(static_cast<size_t>(config.n_parallel), 0);
-    governor_ =
-        std::make_unique<ThreadGovernor>(target_->n_threads(), config.target.n_threads == 0);
     threads_now_.store(governor_->current());
 }
 
@@ -375,6 +377,7 @@ void Engine::schedule() {
             }
         }
         if (job) {
+            govern_threads();  // a calibration measures the threads the steps will use
             job_cancel_.store(job->cancel.get());
             try {
                 job->work();

@@ -20,11 +20,6 @@ std::string with_reason(const std::string& what) {
     return reason.empty() ? what : what + ": " + reason;
 }
 
-int default_threads() {
-    unsigned n = std::thread::hardware_concurrency();
-    return n == 0 ? 4 : static_cast<int>(n);
-}
-
 // The same file reached by another name is the same weights.
 std::string canonical(const std::string& path) {
     char* real = realpath(path.c_str(), nullptr);
@@ -35,6 +30,11 @@ std::string canonical(const std::string& path) {
 }
 
 }  // namespace
+
+int default_threads() {
+    unsigned n = std::thread::hardware_concurrency();
+    return n == 0 ? 4 : static_cast<int>(n);
+}
 
 std::shared_ptr<llama_model> load_weights(const std::string& path, int n_gpu_layers) {
     static std::mutex mutex;

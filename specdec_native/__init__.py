@@ -23,6 +23,7 @@ from specdec_native.decoder import (  # noqa: E402
     EngineClosedError,
     FinishReason,
     GenerationResult,
+    GenerationSettings,
     SpeculativeDecoder,
     Stats,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "EngineClosedError",
     "FinishReason",
     "GenerationResult",
+    "GenerationSettings",
     "ModelLoadError",
     "NonFiniteLogitsError",
     "ReentrantCallError",

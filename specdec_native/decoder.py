@@ -17,7 +17,7 @@ import time
 import warnings
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, SupportsFloat, SupportsIndex, Union
 
@@ -294,6 +294,98 @@ def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
     for s in items:
         _check_text("a stop string", s)
     return items
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What one generation is asked to do, the one definition that generate(), the CLI and the
+    server share: `checked()` validates every field (one message each) and `engine_request()`
+    maps it, once, to the engine's request. The fields are generate()'s, which documents them."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # None: a random seed for each call
+    stop: tuple[str, ...] = ()
+    n_draft: int | str | None = None  # None: the decoder's (a K, or "auto")
+    draft_p_min: float = 0.0
+    draft_rule: str = "auto"
+    timeout: float | None = None  # seconds from the call
+    deadline: float | None = None  # a time.monotonic() value
+
+    @classmethod
+    def checked(cls, **given: Any) -> GenerationSettings:
+        """Settings from Python's or numpy's values, each checked (ValueError, or
+        ArgumentTypeError for a wrong type); unnamed fields keep their defaults."""
+        unknown = sorted(set(given) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ArgumentTypeError(f"unknown generation settings: {', '.join(unknown)}")
+        d = {**{f.name: f.default for f in fields(cls)}, **given}
+        if d["draft_rule"] not in DRAFT_RULES:
+            raise ValueError(
+                f"draft_rule must be one of {', '.join(DRAFT_RULES)}, got {d['draft_rule']!r}"
+            )
+        n_draft = d["n_draft"]
+        seed, timeout, deadline = d["seed"], d["timeout"], d["deadline"]
+        return cls(
+            max_tokens=_check_int("max_tokens", d["max_tokens"]),
+            temperature=_check_float("temperature", d["temperature"]),
+            top_k=_check_int("top_k", d["top_k"]),
+            top_p=_check_float("top_p", d["top_p"]),
+            min_p=_check_float("min_p", d["min_p"]),
+            seed=None if seed is None else _check_int("seed", seed, 0, (1 << 64) - 1),
+            stop=tuple(_check_stop(d["stop"])),
+            n_draft=(
+                None
+                if n_draft is None
+                else AUTO
+                if _is_auto(n_draft)
+                else _check_int("n_draft", n_draft, 0)
+            ),
+            draft_p_min=_check_float("draft_p_min", d["draft_p_min"]),
+            draft_rule=d["draft_rule"],
+            timeout=None
+            if timeout is None
+            else _check_float("timeout", timeout, lambda v: v > 0, "a number of seconds > 0"),
+            deadline=None
+            if deadline is None
+            else _check_float("deadline", deadline, lambda v: True, "a time.monotonic() value"),
+        )
+
+    def engine_request(
+        self, tokens: list[int], adaptive_default: bool, cancel: _core.CancelFlag | None
+    ) -> _core.Request:
+        """The engine's request for these settings after `tokens` (the engine checks what the
+        values must be to mean something, for every caller)."""
+        adaptive = adaptive_default if self.n_draft is None else self.n_draft == AUTO
+        request = _core.Request()
+        request.prompt = tokens
+        request.max_tokens = self.max_tokens
+        request.temperature = self.temperature
+        request.top_k = self.top_k
+        request.top_p = self.top_p
+        request.min_p = self.min_p
+        request.seed = random.getrandbits(64) if self.seed is None else self.seed
+        request.stop = list(self.stop)
+        # -1: the decoder's K, so that a K of the caller's is >= 0.
+        request.n_draft = -1 if self.n_draft is None or adaptive else int(self.n_draft)
+        request.adaptive = adaptive
+        request.draft_p_min = self.draft_p_min
+        request.draft_rule = self.draft_rule
+        request.timeout = self._seconds_left()
+        request.cancel = cancel
+        return request
+
+    def _seconds_left(self) -> float:
+        """The engine's timeout (0: none) from timeout and deadline, whichever comes first."""
+        seconds = self.timeout or 0.0
+        if self.deadline is not None:
+            # The engine's timeout must be > 0; a deadline already past times out at once.
+            left = max(self.deadline - time.monotonic(), 1e-6)
+            seconds = min(seconds, left) if seconds else left
+        return seconds
 
 
 class SpeculativeDecoder:
@@ -622,57 +714,47 @@ class SpeculativeDecoder:
         has passed and it no longer waits (never for a call that ends while it waits).
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
+        settings = GenerationSettings.checked(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            stop=stop,
+            n_draft=n_draft,
+            draft_p_min=draft_p_min,
+            draft_rule=draft_rule,
+            timeout=timeout,
+            deadline=deadline,
+        )
+        return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)
+
+    def run(
+        self,
+        prompt: Prompt,
+        settings: GenerationSettings,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        on_start: Callable[[], None] | None = None,
+        cancel: _core.CancelFlag | None = None,
+    ) -> GenerationResult:
+        """generate() with its settings as one GenerationSettings (see `checked()`)."""
         engine = self._live()
         tokens = self._prompt_tokens(prompt)
-        n_max = _check_int("max_tokens", max_tokens)
-        temp = _check_float("temperature", temperature)
-        k_top = _check_int("top_k", top_k)
-        p_top = _check_float("top_p", top_p)
-        p_floor = _check_float("min_p", min_p)
-        rng_seed = _check_int(
-            "seed", random.getrandbits(64) if seed is None else seed, 0, (1 << 64) - 1
-        )
-        stops = _check_stop(stop)
-        adaptive = self._adaptive if n_draft is None else _is_auto(n_draft)
-        # -1: the decoder's K (this layer's None), so a K of the caller's is >= 0.
-        k = -1 if n_draft is None or adaptive else _check_int("n_draft", n_draft, 0)
-        p_min = _check_float("draft_p_min", draft_p_min)
-        if draft_rule not in DRAFT_RULES:
-            raise ValueError(
-                f"draft_rule must be one of {', '.join(DRAFT_RULES)}, got {draft_rule!r}"
+        if not isinstance(settings, GenerationSettings):
+            raise ArgumentTypeError(
+                f"settings must be GenerationSettings, got {type(settings).__name__}"
             )
-        seconds = (
-            0.0
-            if timeout is None
-            else _check_float("timeout", timeout, lambda v: v > 0, "a number of seconds > 0")
-        )
-        if deadline is not None:
-            at = _check_float("deadline", deadline, lambda v: True, "a time.monotonic() value")
-            # The engine's timeout must be > 0; one already past times out at once.
-            left = max(at - time.monotonic(), 1e-6)
-            seconds = min(seconds, left) if seconds else left
         if cancel is not None and not isinstance(cancel, _core.CancelFlag):
             raise TypeError(f"cancel must be a CancelFlag, got {type(cancel).__name__}")
+        adaptive = self._adaptive if settings.n_draft is None else settings.n_draft == AUTO
         first_adaptive = (
             adaptive and self._calibration is None and self._calibration_key is not None
         )
         if first_adaptive:
             self._load_calibration(engine)
-        request = _core.Request()
-        request.prompt = tokens
-        request.max_tokens = n_max
-        request.temperature = temp
-        request.top_k = k_top
-        request.top_p = p_top
-        request.min_p = p_floor
-        request.seed = rng_seed
-        request.stop = stops
-        request.n_draft = k
-        request.adaptive = adaptive
-        request.draft_p_min = p_min
-        request.draft_rule = draft_rule
-        request.timeout = seconds
-        request.cancel = cancel
+        request = settings.engine_request(tokens, self._adaptive, cancel)
         out = engine.generate(request, on_text, on_start)
         if out["stats"]["draft_error"]:
             warnings.warn(

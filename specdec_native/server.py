@@ -30,7 +30,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 
 from specdec_native import _core
-from specdec_native.decoder import AUTO, GenerationResult, SpeculativeDecoder
+from specdec_native.decoder import (
+    AUTO,
+    GenerationResult,
+    GenerationSettings,
+    SpeculativeDecoder,
+)
 from specdec_native.openai_api import (
     MAX_BODY_BYTES,
     BodyError,
@@ -188,7 +193,7 @@ class Job:
     """One parsed request: what to generate, and how."""
 
     prompt: str | list[int]
-    kwargs: dict[str, Any]
+    settings: GenerationSettings
     stream: bool
     include_usage: bool
 
@@ -198,7 +203,7 @@ def _job(
     decoder: SpeculativeDecoder,
     settings: ServerSettings,
 ) -> Job:
-    """Maps a validated body to a generate() call."""
+    """Maps a validated body to a generation."""
     if isinstance(body, ChatCompletionRequest):
         prompt: str | list[int] = decoder.apply_chat_template(
             [{"role": m.role, "content": m.text} for m in body.messages]
@@ -207,22 +212,23 @@ def _job(
         prompt = body.prompt
     spec = body.speculative
     limit = decoder.n_ctx
-    kwargs: dict[str, Any] = {
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": body.top_k or 0,
-        "min_p": body.min_p or 0.0,
-        "seed": None if body.seed is None else body.seed % (1 << 64),
-        "stop": body.stops,
-        "n_draft": settings.n_draft if spec is None or spec.n_max is None else spec.n_max,
-        "draft_p_min": 0.0 if spec is None else spec.p_min,
+    generation = GenerationSettings.checked(
         # Without max_tokens, generate until the end token or a full context, as OpenAI does.
-        "max_tokens": min(body.token_limit or limit, limit),
-    }
-    if settings.request_timeout:
-        kwargs["deadline"] = time.monotonic() + settings.request_timeout
+        max_tokens=min(body.token_limit or limit, limit),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        seed=None if body.seed is None else body.seed % (1 << 64),
+        stop=body.stops,
+        n_draft=settings.n_draft if spec is None or spec.n_max is None else spec.n_max,
+        draft_p_min=0.0 if spec is None else spec.p_min,
+        deadline=(
+            time.monotonic() + settings.request_timeout if settings.request_timeout else None
+        ),
+    )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Job(prompt, kwargs, body.stream, include_usage)
+    return Job(prompt, generation, body.stream, include_usage)
 
 
 def _refusal(e: BaseException) -> RequestError:
@@ -240,7 +246,7 @@ def _refusal(e: BaseException) -> RequestError:
 
 
 class Run:
-    """One request's generate() call on a worker thread: its cancel flag, its text as it comes,
+    """One request's generation (SpeculativeDecoder.run) on a worker thread: its cancel flag, its text as it comes,
     and why the server cut it short, if it did ("disconnect": the client went away; "shutdown":
     it still waited for a slot at SIGTERM; "grace": still running when the grace period ended)."""
 
@@ -268,12 +274,12 @@ class Run:
             loop.call_soon_threadsafe(self._started, on_start)
 
         call = functools.partial(
-            decoder.generate,
+            decoder.run,
             job.prompt,
+            job.settings,
             on_text=text_came,
             on_start=slot_taken,
             cancel=self.flag,
-            **job.kwargs,
         )
         self.future: asyncio.Future[GenerationResult] = loop.run_in_executor(None, call)
         # Runs after every piece the worker handed over (call_soon_threadsafe keeps their order).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import specdec_native as sd
@@ -265,3 +266,21 @@ def test_every_property_after_close(tiny_pair: models.ModelPair) -> None:
     for name in ("n_draft", "has_draft", "n_ctx"):
         with pytest.raises(sd.EngineClosedError):
             getattr(dec, name)
+
+
+def test_one_settings_definition_checks_and_maps_once(tiny_decoder: sd.SpeculativeDecoder) -> None:
+    # generate() is GenerationSettings.checked() then run(): the same checks, the same result.
+    settings = sd.GenerationSettings.checked(
+        max_tokens=np.int64(6), temperature=np.float32(0.0), stop=("zz",), n_draft="auto"
+    )
+    assert settings.max_tokens == 6 and type(settings.max_tokens) is int
+    assert settings.stop == ("zz",) and settings.n_draft == "auto"
+    a = tiny_decoder.run([1, 300], settings)
+    b = tiny_decoder.generate([1, 300], 6, temperature=0.0, stop="zz", n_draft="auto")
+    assert a.tokens == b.tokens
+    with pytest.raises(TypeError, match="unknown generation settings: temp"):
+        sd.GenerationSettings.checked(temp=0.5)
+    with pytest.raises(ValueError, match="n_draft"):
+        sd.GenerationSettings.checked(n_draft="fast")
+    with pytest.raises(TypeError, match="GenerationSettings"):
+        tiny_decoder.run([1, 300], {"max_tokens": 4})  # type: ignore[arg-type]
