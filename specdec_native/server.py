@@ -140,6 +140,11 @@ class Metrics:
         )
         self.running = Gauge("specdec:num_requests_running", "Requests generating", registry=r)
         self.waiting = Gauge("specdec:num_requests_waiting", "Requests queued", registry=r)
+        self.threads = Gauge(
+            "specdec:threads",
+            "Threads the decodes use now (fewer while cores are busy)",
+            registry=r,
+        )
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         self.ttft = Histogram(
             "specdec:time_to_first_token_seconds",
@@ -762,6 +767,8 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if server.decoder is not None and not server.decoder.closed:
+            server.metrics.threads.set(server.decoder.n_threads_now)
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -205,6 +205,7 @@ def test_metrics_count_what_requests_did(chat_server: Server, client: openai.Ope
         == 10
     )
     assert after["specdec:num_requests_running"] == 0
+    assert 1 <= after["specdec:threads"] <= (os.cpu_count() or 1)
     assert any(k.startswith("specdec:time_to_first_token_seconds_bucket") for k in after)
     assert any(k.startswith("specdec:spec_decode_num_accepted_tokens_per_pos_total") for k in after)
 
