@@ -2,13 +2,19 @@
 #pragma once
 
 #include <chrono>
+#include <vector>
 
 namespace specdec {
+
+// The cores this process may use: the CPUs of its affinity mask (taskset, a cpuset), at most
+// its cgroup's CPU quota (a container's CPU limit), at least 1.
+int usable_cores();
 
 // The threads of one llama.cpp decode wait for each other at every barrier (one per graph
 // node), so one thread that the kernel deschedules stalls all the others: beside two busy
 // processes on two cores, two threads ran 2-10x slower than one. While other processes keep
-// cores busy the decode gets the cores they leave idle (at least one); alone, all of `max`.
+// this process's CPUs busy the decode gets the ones they leave idle (at least one); alone, all
+// of `max`.
 class ThreadGovernor {
   public:
     // `enabled` false: always `max` (the user chose the thread count).
@@ -21,21 +27,23 @@ class ThreadGovernor {
 
   private:
     struct Sample {
-        long long busy = 0, total = 0, self = 0;  // clock ticks: all CPUs, all CPUs, this process
+        long long busy = 0, total = 0;  // clock ticks of the allowed CPUs
+        long long self = 0;             // clock ticks of this process
         bool ok = false;
     };
-    static Sample read_sample();
-    // Cores other processes kept busy since the last sample.
+    Sample read_sample() const;
+    // Of the allowed CPUs, how many other processes kept busy since the last sample.
     double others_busy(const Sample& now) const;
 
     static constexpr std::chrono::milliseconds kInterval{500};
     static constexpr std::chrono::milliseconds kFirstLook{100};  // after the first sample
-    bool looked_ = false;
     const int max_;
     const bool enabled_;
     int current_;
     int pending_up_ = 0;  // looks in a row that found room for more threads
-    int n_cpus_;
+    bool looked_ = false;
+    std::vector<bool> allowed_;  // [cpu]: in this process's affinity mask
+    int n_allowed_ = 1;
     Sample last_;
     std::chrono::steady_clock::time_point last_look_;
 };

@@ -8,6 +8,7 @@
 #include <thread>
 #include <utility>
 
+#include "cpu_share.h"
 #include "errors.h"
 #include "logging.h"
 #include "model_file.h"
@@ -31,10 +32,7 @@ std::string canonical(const std::string& path) {
 
 }  // namespace
 
-int default_threads() {
-    unsigned n = std::thread::hardware_concurrency();
-    return n == 0 ? 4 : static_cast<int>(n);
-}
+int default_threads() { return usable_cores(); }
 
 std::shared_ptr<llama_model> load_weights(const std::string& path, int n_gpu_layers) {
     static std::mutex mutex;

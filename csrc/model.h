@@ -32,7 +32,7 @@ struct ContextDeleter {
 // The weights of `path` with `n_gpu_layers` offloaded, loaded on first use and shared by every
 // caller until the last one lets go. Throws ModelLoadError with the reason.
 std::shared_ptr<llama_model> load_weights(const std::string& path, int n_gpu_layers);
-// Threads a context gets when ModelParams.n_threads is 0: every hardware thread.
+// Threads a context gets when ModelParams.n_threads is 0: every core this process may use.
 int default_threads();
 
 class Model {
