@@ -6,13 +6,6 @@
 #include "errors.h"
 
 namespace specdec {
-namespace {
-
-double seconds_since(Clock::time_point start) {
-    return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-}  // namespace
 
 #ifdef SPECDEC_TEST_HOOKS
 std::atomic<bool> wrong_residual_for_tests{false};

@@ -1,0 +1,226 @@
+// Decodes, and the measurements and calibration that time them.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+#include "engine.h"
+#include "errors.h"
+
+namespace specdec {
+namespace {
+
+// Calibration: at least, at most this many sweeps over the batch sizes; more are taken while
+// one more still moves an estimate by over kCostsSettled, within the time budget.
+constexpr size_t kMinCostSweeps = 3, kMaxCostSweeps = 6;
+constexpr double kCostsSettled = 0.05;
+constexpr double kCalibrationBudgetSeconds = 5.0;
+
+}  // namespace
+
+void Engine::decode_sequence(Model& model, Batch& batch, const std::vector<llama_token>& tokens,
+                             size_t from, size_t end, bool logits_on_last, size_t chunk) {
+    // llama.cpp aborts the process on a decode larger than its n_batch.
+    const auto n_batch = static_cast<size_t>(model.n_batch());
+    chunk = chunk == 0 ? n_batch : std::min(chunk, n_batch);
+    decode_in_chunks(batch, tokens, from, end, static_cast<llama_pos>(from),
+                     logits_on_last ? end - 1 : end, chunk,
+                     [&](const Batch& b) { decode(model, b); });
+}
+
+void Engine::decode(Model& model, const Batch& batch) {
+    if (stop_requested()) throw Cancelled("generation cancelled");
+    if (job_deadline_ && Clock::now() >= *job_deadline_)
+        throw TimedOut("the request's deadline passed");
+    const int32_t rc = llama_decode(model.ctx(), batch.get());
+    if (rc == 0) {
+        model.note_decoded(batch.get());
+        return;
+    }
+    model.clear_memory();  // a failed decode may leave part of the batch in the cache
+    if (rc == 2) throw Cancelled("generation cancelled");
+    if (rc == 1)
+        throw ContextOverflowError("no room in the KV cache of " + model.path() +
+                                   " for a batch of " + std::to_string(batch.size()) + " tokens");
+    throw std::runtime_error("llama_decode failed with code " + std::to_string(rc));
+}
+
+std::vector<double> Engine::measure_decode_cost(const std::vector<llama_token>& context, int max_n,
+                                                int repeats, bool on_draft,
+                                                std::shared_ptr<CancelFlag> cancel) {
+    check_not_in_callback("call generate, calibrate or measure_decode_cost");
+    Model* model = on_draft ? draft_.get() : target_.get();
+    if (!model) throw std::invalid_argument("there is no draft model");
+    if (context.empty() || max_n < 1 || repeats < 1)
+        throw std::invalid_argument("need a context, max_n >= 1 and repeats >= 1");
+    if (max_n > kMaxDraft + 1 || static_cast<int>(context.size()) + max_n > model->n_ctx())
+        throw ContextOverflowError("context + max_n does not fit the context window");
+    if (static_cast<int>(context.size()) > model->n_batch() || max_n > model->n_batch())
+        throw std::invalid_argument("the context and max_n must each fit n_batch (" +
+                                    std::to_string(model->n_batch()) + ")");
+    check_tokens(context);
+    std::vector<double> costs;
+    run_exclusive([&] { costs = measure_decode_cost_locked(context, max_n, repeats, *model); },
+                  std::move(cancel));
+    return costs;
+}
+
+std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_token>& context,
+                                                       int max_n, int repeats, Model& model) {
+    model.clear_memory();
+    Batch batch(std::max(static_cast<int>(context.size()), max_n));
+    decode_sequence(model, batch, context, 0, context.size(), false, 0);
+    // Whole sweeps over n, repeated: a slow spell on a shared machine then lands on every n
+    // alike instead of inflating one n's cost (which the policy would never re-measure).
+    std::vector<std::vector<double>> samples(static_cast<size_t>(max_n));
+    for (int r = 0; r < repeats; ++r)
+        for (int n = 1; n <= max_n; ++n)
+            samples[static_cast<size_t>(n - 1)].push_back(
+                time_decode_locked(model, batch, context, n));
+    std::vector<double> costs;
+    for (auto& s : samples) costs.push_back(median(std::move(s)));
+    return costs;
+}
+
+double Engine::time_decode_locked(Model& model, Batch& batch,
+                                  const std::vector<llama_token>& context, int n) {
+    const auto pos = static_cast<llama_pos>(context.size());
+    batch.clear();
+    for (int i = 0; i < n; ++i)
+        batch.add(context[static_cast<size_t>(i) % context.size()], pos + i, true);
+    const auto start = Clock::now();
+    decode(model, batch);
+    const double seconds = seconds_since(start);
+    model.forget_from(0, pos);
+    return seconds;
+}
+
+CostSweep Engine::cost_sweep_locked(const std::vector<llama_token>& context, int max_n,
+                                    Batch& batch) {
+    CostSweep sweep;
+    for (int n = 1; n <= max_n; ++n) {
+        sweep.verify.push_back(time_decode_locked(*target_, batch, context, n));
+        // A step's draft decodes one or two tokens at a time.
+        if (draft_ && n <= 2) sweep.draft.push_back(time_decode_locked(*draft_, batch, context, n));
+    }
+    return sweep;
+}
+
+void Engine::calibrate(const std::vector<llama_token>& context,
+                       std::shared_ptr<CancelFlag> cancel) {
+    check_not_in_callback("call generate, calibrate or measure_decode_cost");
+    if (!drafter_ && !config_.ngram)
+        throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
+    if (context.empty()) throw std::invalid_argument("the context has no tokens");
+    check_tokens(context);
+    run_exclusive([&] { calibrate_locked(context); }, std::move(cancel));
+}
+
+void Engine::set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs) {
+    if (!drafter_ && !config_.ngram)
+        throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
+}
+
+void Engine::calibrate_locked(const std::vector<llama_token>& context) {
+    // A short context is enough: the cost of a small batch barely depends on its position.
+    constexpr size_t kContext = 32;
+    std::vector<llama_token> ctx(
+        context.begin(), context.begin() + static_cast<long>(std::min(context.size(), kContext)));
+    const int n_ctx = draft_ ? std::min(target_->n_ctx(), draft_->n_ctx()) : target_->n_ctx();
+    const int n_batch =
+        draft_ ? std::min(target_->n_batch(), draft_->n_batch()) : target_->n_batch();
+    const int max_n = std::min(
+        {AdaptivePolicy::Config{}.max_k + 1, n_ctx - static_cast<int>(ctx.size()), n_batch});
+    if (max_n < 2) return;  // no room to speculate; the policy stays uncalibrated
+    const auto start = Clock::now();
+    Batch batch(std::max(
+        {static_cast<int>(ctx.size()), max_n, std::min(config_.n_parallel * max_n, n_batch)}));
+    for (Model* model : {target_.get(), draft_.get()}) {
+        if (!model) continue;  // an n-gram draft costs a few hash lookups: nothing next to a decode
+        model->clear_memory();
+        decode_sequence(*model, batch, ctx, 0, ctx.size(), false, 0);
+        time_decode_locked(*model, batch, ctx, 1);  // warm-up: first decodes pay for setup
+    }
+    // Whole sweeps, both models in each, until one more finds no decode faster (a busy machine
+    // takes more), within a time budget: the estimates rest on each decode's fastest timing,
+    // and a sweep gives every n and both models a chance at the machine's quiet moments.
+    std::vector<CostSweep> sweeps;
+    while (sweeps.size() < kMinCostSweeps ||
+           (sweeps.size() < kMaxCostSweeps && !costs_settled(sweeps, kCostsSettled) &&
+            seconds_since(start) < kCalibrationBudgetSeconds))
+        sweeps.push_back(cost_sweep_locked(ctx, max_n, batch));
+    CostCurve curve = estimate_costs(sweeps);
+    BatchCosts batch_costs;
+    if (config_.n_parallel > 1) batch_costs = measure_batch_costs(ctx, curve, batch);
+    AdaptivePolicy policy = this->policy();
+    policy.calibrate(std::move(curve.verify), std::move(curve.draft), seconds_since(start));
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    policy_ = std::move(policy);
+    batch_costs_ = std::move(batch_costs);
+}
+
+BatchCosts Engine::measure_batch_costs(const std::vector<llama_token>& context,
+                                       const CostCurve& curve, Batch& batch) {
+    // Past one sequence's largest step, at doubling sizes up to every slot drafting max_k (and
+    // the draft up to two rows per slot), the fastest of a few decodes each.
+    constexpr int kRepeats = 3;
+    const int room = target_->n_ctx() - static_cast<int>(context.size());
+    const auto fastest = [&](Model& model, int n) {
+        double best = 0.0;
+        for (int r = 0; r < kRepeats; ++r) {
+            const double t = time_decode_locked(model, batch, context, n);
+            best = r == 0 ? t : std::min(best, t);
+        }
+        return best;
+    };
+    std::vector<std::pair<int, double>> verify, draft;
+    for (size_t n = 1; n <= curve.verify.size(); ++n)
+        verify.emplace_back(static_cast<int>(n), curve.verify[n - 1]);
+    const int n_seq = config_.n_parallel;
+    const int most_rows = std::min({n_seq * static_cast<int>(curve.verify.size()),
+                                    target_->n_batch(), batch.capacity(), room});
+    // A full batch of n sequences drafting K each decodes n(K + 1) rows, and kernels differ by
+    // size (on this CPU multiples of 4 rows run much faster than the sizes between), so those
+    // sizes are measured, for K up to kPlannedK, rather than interpolated; past them, doubling.
+    constexpr int kPlannedK = 7;
+    const int last_full = std::min(most_rows, n_seq * (kPlannedK + 1));
+    for (int n = (verify.back().first / n_seq + 1) * n_seq; n <= last_full; n += n_seq)
+        verify.emplace_back(n, fastest(*target_, n));
+    for (int n = 2 * verify.back().first; verify.back().first < most_rows; n *= 2)
+        verify.emplace_back(std::min(n, most_rows), fastest(*target_, std::min(n, most_rows)));
+    if (draft_) {
+        for (size_t n = 1; n <= curve.draft.size(); ++n)
+            draft.emplace_back(static_cast<int>(n), curve.draft[n - 1]);
+        const int most_draft_rows =
+            std::min({2 * config_.n_parallel, draft_->n_batch(), batch.capacity(),
+                      draft_->n_ctx() - static_cast<int>(context.size())});
+        for (int n = 2 * draft.back().first; draft.back().first < most_draft_rows; n *= 2)
+            draft.emplace_back(std::min(n, most_draft_rows),
+                               fastest(*draft_, std::min(n, most_draft_rows)));
+    }
+    return BatchCosts(std::move(verify), std::move(draft));
+}
+
+std::vector<float> Engine::next_token_logits(const std::vector<llama_token>& context, bool batched,
+                                             std::shared_ptr<CancelFlag> cancel) {
+    check_not_in_callback("call generate, calibrate or measure_decode_cost");
+    if (context.empty()) throw std::invalid_argument("the context has no tokens");
+    if (static_cast<int>(context.size()) > target_->n_ctx())
+        throw ContextOverflowError("the context is longer than n_ctx");
+    check_tokens(context);
+    std::vector<float> out;
+    run_exclusive(
+        [&] {
+            target_->clear_memory();
+            decode_sequence(*target_, target_batch_, context, 0, context.size(), true,
+                            batched ? 0 : 1);
+            const float* logits = llama_get_logits_ith(target_->ctx(), -1);
+            out.assign(logits, logits + target_->n_vocab());
+        },
+        std::move(cancel));
+    return out;
+}
+
+}  // namespace specdec
