@@ -318,3 +318,14 @@ def test_a_model_that_cannot_load_stops_the_server_with_one_line(tmp_path: Path)
     )
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("Error:") and "Traceback" not in r.stderr
+
+
+def test_the_openapi_schema_describes_the_bodies(chat_server: Server) -> None:
+    spec = httpx.get(chat_server.url + "/openapi.json", timeout=10).json()
+    for path, field in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        props = body["schema"]["properties"]
+        assert {field, "max_tokens", "temperature", "stop", "speculative"} <= set(props)
+        assert field in body["schema"]["required"]
+    # What the bodies refer to is there to resolve.
+    assert {"Message", "Speculative", "StreamOptions"} <= set(spec["components"]["schemas"])
