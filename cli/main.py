@@ -129,6 +129,29 @@ def _draft_option_value(n_draft: str) -> int | str:
     return k
 
 
+def chat_template_option(envvar: str | None = None) -> Callable[[F], F]:
+    """--chat-template: a template llama.cpp knows by name, or a Jinja template file."""
+    return click.option(
+        "--chat-template",
+        "chat_template",
+        default=None,
+        envvar=envvar,
+        metavar="NAME|FILE",
+        help="Chat template: a name llama.cpp knows (chatml, gemma, llama3, ...) or a Jinja "
+        "file; default: the model's own.",
+    )
+
+
+def _chat_template_value(value: str | None) -> str | None:
+    """The template's text when VALUE is a file, else VALUE (a name, checked by the decoder)."""
+    if value is None or not Path(value).is_file():
+        return value
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.ClickException(f"cannot read the chat template {value}: {e}") from None
+
+
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if prompt is not None and prompt_file is not None:
         raise click.UsageError("give either -p or -f, not both")
@@ -251,6 +274,7 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 @gpu_layers_option("Target layers on the GPU (-1: all).")
 @draft_gpu_layers_option()
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@chat_template_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
 @click.option(
     "--recalibrate",
@@ -283,6 +307,7 @@ def run(
     n_gpu_layers: int,
     draft_n_gpu_layers: int | None,
     chat: bool,
+    chat_template: str | None,
     as_json: bool,
     recalibrate: bool,
     verbose: bool,
@@ -319,6 +344,7 @@ def run(
         n_threads=n_threads,
         n_gpu_layers=n_gpu_layers,
         draft_n_gpu_layers=draft_n_gpu_layers,
+        chat_template=_chat_template_value(chat_template),
         verbose=verbose,
     ) as sd:
         if chat:
@@ -690,6 +716,7 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     envvar="SPECDEC_GRACE",
     help="On SIGTERM, seconds running requests get to finish.",
 )
+@chat_template_option(envvar="SPECDEC_CHAT_TEMPLATE")
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
@@ -714,12 +741,13 @@ def serve(
     max_queue: int,
     request_timeout: float | None,
     grace: float,
+    chat_template: str | None,
     log_format: str,
 ) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair."""
     from specdec_native import SpeculativeDecoder, models
-    from specdec_native.decoder import MAX_PARALLEL
+    from specdec_native.decoder import MAX_PARALLEL, ChatTemplate
 
     try:
         import uvicorn
@@ -741,6 +769,8 @@ def serve(
         raise click.ClickException("--request-timeout must be a number of seconds > 0")
     if not (math.isfinite(grace) and grace >= 0):
         raise click.ClickException("--grace must be a number of seconds >= 0")
+    template = _chat_template_value(chat_template)
+    ChatTemplate.of(template)  # a bad one is this command's error, before the models load
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -771,6 +801,7 @@ def serve(
             n_gpu_layers=n_gpu_layers,
             draft_n_gpu_layers=draft_n_gpu_layers,
             n_parallel=n_parallel,
+            chat_template=template,
         )
 
     for name, path in (("target", target), ("draft", draft_arg)):

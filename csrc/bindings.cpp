@@ -320,11 +320,14 @@ PYBIND11_MODULE(_core, m) {
              [](const Engine& e, const std::vector<int32_t>& tokens) {
                  return to_str(e.target().detokenize(tokens));
              })
-        .def("apply_chat_template",
-             [](const Engine& e, const std::vector<std::pair<std::string, std::string>>& messages,
-                bool add_generation_prompt) {
-                 return e.target().apply_chat_template(messages, add_generation_prompt);
-             })
+        .def(
+            "apply_chat_template",
+            [](const Engine& e, const std::vector<std::pair<std::string, std::string>>& messages,
+               bool add_generation_prompt, const std::string& template_name) {
+                return e.target().apply_chat_template(messages, add_generation_prompt,
+                                                      template_name);
+            },
+            py::arg("messages"), py::arg("add_generation_prompt"), py::arg("template_name") = "")
         .def(
             "next_token_logits",
             [](Engine& e, const std::vector<int32_t>& context, bool batched) {
@@ -377,6 +380,8 @@ PYBIND11_MODULE(_core, m) {
     m.attr("MAX_PARALLEL") = Engine::kMaxParallel;
     m.def("set_log_verbose", &install_log_handler, py::arg("verbose"),
           "Routes llama.cpp's log through specdec: printed when verbose, else kept for errors.");
+    m.def("chat_template_names", &chat_template_names,
+          "The chat templates llama.cpp knows by name.");
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
 

@@ -146,12 +146,27 @@ std::string Model::description() const {
     return n > 0 ? std::string(buf, std::min(static_cast<size_t>(n), sizeof(buf) - 1)) : "";
 }
 
+std::vector<std::string> chat_template_names() {
+    const int32_t n = llama_chat_builtin_templates(nullptr, 0);
+    std::vector<const char*> names(static_cast<size_t>(std::max(n, 0)));
+    llama_chat_builtin_templates(names.data(), names.size());
+    return {names.begin(), names.end()};
+}
+
 std::string Model::apply_chat_template(
-    const std::vector<std::pair<std::string, std::string>>& messages,
-    bool add_generation_prompt) const {
-    const char* tmpl = llama_model_chat_template(model_.get(), nullptr);
+    const std::vector<std::pair<std::string, std::string>>& messages, bool add_generation_prompt,
+    const std::string& template_name) const {
+    if (!template_name.empty()) {
+        const auto names = chat_template_names();
+        if (std::find(names.begin(), names.end(), template_name) == names.end())
+            throw std::invalid_argument("unknown chat template '" + template_name + "'");
+    }
+    const char* tmpl = template_name.empty() ? llama_model_chat_template(model_.get(), nullptr)
+                                             : template_name.c_str();
     if (tmpl == nullptr)
-        throw std::invalid_argument("the model has no chat template in its metadata");
+        throw std::invalid_argument(
+            "the model has no chat template in its metadata: name one (chat_template=, or "
+            "--chat-template NAME|FILE)");
     std::vector<llama_chat_message> chat;
     size_t total = 0;
     for (const auto& [role, content] : messages) {

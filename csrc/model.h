@@ -62,9 +62,10 @@ class Model {
     bool is_eog(llama_token token) const { return llama_vocab_is_eog(vocab_, token); }
     std::string meta(const std::string& key) const;  // "" when absent
     std::string description() const;
+    // With the model's own template, or `template_name` (one of chat_template_names()).
     std::string apply_chat_template(
         const std::vector<std::pair<std::string, std::string>>& messages,
-        bool add_generation_prompt) const;
+        bool add_generation_prompt, const std::string& template_name = "") const;
 
     // The tokens whose keys/values the cache holds for sequence `seq`, by position.
     const std::vector<llama_token>& held(llama_seq_id seq) const {
@@ -93,6 +94,9 @@ class Model {
     int n_threads_ = 1;
     std::vector<std::vector<llama_token>> held_;  // [seq]
 };
+
+// The chat templates llama.cpp knows by name ("chatml", "gemma", "llama3", ...).
+std::vector<std::string> chat_template_names();
 
 // Why target and draft cannot be paired, or "" when they can.
 std::string vocab_mismatch(const Model& target, const Model& draft);

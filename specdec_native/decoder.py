@@ -297,6 +297,63 @@ def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
 
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template given by the user: a name llama.cpp knows ("chatml", "gemma", ...), or
+    the text of a Jinja template, rendered in a sandbox as Hugging Face's chat templates are."""
+
+    name: str = ""
+    jinja: Any = None  # the compiled template
+
+    @classmethod
+    def of(cls, template: str | None) -> ChatTemplate | None:
+        if template is None:
+            return None
+        _check_text("chat_template", template)
+        if "{{" in template or "{%" in template:
+            return cls(jinja=_compile_jinja(template))
+        names = _core.chat_template_names()
+        if template not in names:
+            raise ValueError(
+                f"unknown chat template {template!r}: a Jinja template's text, or one of "
+                f"{', '.join(sorted(names))}"
+            )
+        return cls(name=template)
+
+    def render(
+        self, messages: list[tuple[str, str]], add_generation_prompt: bool, eos_token: str
+    ) -> str:
+        import jinja2
+
+        try:
+            return str(
+                self.jinja.render(
+                    messages=[{"role": r, "content": c} for r, c in messages],
+                    add_generation_prompt=add_generation_prompt,
+                    # The prompt's tokenization adds the model's BOS: the text holds none.
+                    bos_token="",
+                    eos_token=eos_token,
+                )
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template failed on these messages: {e}") from None
+
+
+def _compile_jinja(text: str) -> Any:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"the chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template is not a valid Jinja template: {e}") from None
+
+
+@dataclass(frozen=True)
 class GenerationSettings:
     """What one generation is asked to do, the one definition that generate(), the CLI and the
     server share: `checked()` validates every field (one message each) and `engine_request()`
@@ -423,11 +480,13 @@ class SpeculativeDecoder:
         ngram_max: int = 4,
         calibration_cache: bool = True,
         n_parallel: int = 1,
+        chat_template: str | None = None,
         verbose: bool = False,
         _borrow: tuple[Any, Any] = (None, None),
     ) -> None:
         _check_not_forked()
         target_path = _check_model_path("target", target)
+        self._chat_template = ChatTemplate.of(chat_template)
         if draft is not None and os.fspath(draft) == NGRAM:
             draft, ngram = None, True
         draft_path = None if draft is None else _check_model_path("draft", draft)
@@ -587,7 +646,8 @@ class SpeculativeDecoder:
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
     ) -> str:
-        """Formats messages ([{"role": ..., "content": ...}]) with the model's own template."""
+        """Formats messages ([{"role": ..., "content": ...}]) with the decoder's chat template:
+        ``chat_template`` as given to the constructor, else the model's own."""
         pairs = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -600,7 +660,15 @@ class SpeculativeDecoder:
         if not pairs:
             raise ValueError("messages must not be empty")
         _check_bool("add_generation_prompt", add_generation_prompt)
-        return self._live().apply_chat_template(pairs, add_generation_prompt)
+        engine = self._live()
+        template = self._chat_template
+        if template is not None and template.jinja is not None:
+            eos = engine.model_info(False)["eos"]
+            eos_text = engine.detokenize([eos]) if eos >= 0 else ""
+            return template.render(pairs, add_generation_prompt, eos_text)
+        return engine.apply_chat_template(
+            pairs, add_generation_prompt, template.name if template else ""
+        )
 
     def next_token_logits(self, tokens: Prompt, *, batched: bool = True) -> list[float]:
         """The target's logits for the token after ``tokens``, read afresh: in batches (as the

