@@ -416,7 +416,7 @@ class GenerationSettings:
     ) -> _core.Request:
         """The engine's request for these settings after `tokens` (the engine checks what the
         values must be to mean something, for every caller)."""
-        adaptive = adaptive_default if self.n_draft is None else self.n_draft == AUTO
+        adaptive = self.adaptive(adaptive_default)
         request = _core.Request()
         request.prompt = tokens
         request.max_tokens = self.max_tokens
@@ -434,6 +434,10 @@ class GenerationSettings:
         request.timeout = self._seconds_left()
         request.cancel = cancel
         return request
+
+    def adaptive(self, decoder_default: bool) -> bool:
+        """Whether K is chosen each step ("auto"): this call's n_draft, else the decoder's."""
+        return decoder_default if self.n_draft is None else self.n_draft == AUTO
 
     def _seconds_left(self) -> float:
         """The engine's timeout (0: none) from timeout and deadline, whichever comes first."""
@@ -816,9 +820,10 @@ class SpeculativeDecoder:
             )
         if cancel is not None and not isinstance(cancel, _core.CancelFlag):
             raise TypeError(f"cancel must be a CancelFlag, got {type(cancel).__name__}")
-        adaptive = self._adaptive if settings.n_draft is None else settings.n_draft == AUTO
         first_adaptive = (
-            adaptive and self._calibration is None and self._calibration_key is not None
+            settings.adaptive(self._adaptive)
+            and self._calibration is None
+            and self._calibration_key is not None
         )
         if first_adaptive:
             self._load_calibration(engine)
