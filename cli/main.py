@@ -317,7 +317,7 @@ def run(
     Without TARGET, runs the embedded default pair (built on first use from PyPI packages):
     SmolLM2-135M as the draft and a synthetic 6x-deep SmolLM2 target.
     """
-    from specdec_native import GenerationSettings, SpeculativeDecoder, models
+    from specdec_native import SpeculativeDecoder, models
 
     k = _draft_option_value(n_draft)
     if target is None:
@@ -357,17 +357,18 @@ def run(
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        settings = GenerationSettings.checked(
-            max_tokens=max_tokens,
+        result = sd.generate(
+            text,
+            max_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
             seed=seed,
-            stop=stop,
+            stop=list(stop),
             draft_p_min=draft_p_min,
+            on_text=None if as_json else echo,
         )
-        result = sd.run(text, settings, on_text=None if as_json else echo)
         calibration = _calibration_note(sd.policy_state()) if sd.n_draft == "auto" else None
     if as_json:
         click.echo(json.dumps(result.as_dict(), ensure_ascii=False))

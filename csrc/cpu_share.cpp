@@ -1,12 +1,14 @@
 #include "cpu_share.h"
 
+#include <fcntl.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 
@@ -36,19 +38,41 @@ int cgroup_cpu_quota() {
     return q > 0 ? static_cast<int>((q + period - 1) / period) : 0;
 }
 
-// The utime + stime of this process, in clock ticks; -1 when unreadable.
-long long own_ticks() {
-    // Fields 14 and 15; the command (field 2) may hold spaces, so count from its ')'.
-    std::ifstream self_stat("/proc/self/stat");
-    std::string line;
-    std::getline(self_stat, line);
-    const size_t close = line.rfind(')');
-    if (close == std::string::npos || close + 2 > line.size()) return -1;
-    std::istringstream rest(line.substr(close + 2));
-    std::string field;
+// Reads a /proc file whole into `buf` (its capacity, kept between calls: the governor reads
+// from the step loop and allocates nothing there once warm); false when unreadable.
+bool read_proc(const char* path, std::vector<char>& buf) {
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    size_t size = 0;
+    while (true) {
+        if (size + 1 >= buf.size()) buf.resize(std::max<size_t>(4096, 2 * buf.size()));
+        const ssize_t n = ::read(fd, buf.data() + size, buf.size() - size - 1);
+        if (n <= 0) break;
+        size += static_cast<size_t>(n);
+    }
+    ::close(fd);
+    buf[size] = '\0';
+    return size > 0;
+}
+
+// The utime + stime of this process from /proc/self/stat's text, in clock ticks; -1 when
+// unreadable. Fields 14 and 15; the command (field 2) may hold spaces: count from its ')'.
+long long own_ticks(const char* stat) {
+    const char* p = std::strrchr(stat, ')');
+    if (p == nullptr) return -1;
+    ++p;
     long long ticks = 0;
-    for (int i = 3; i <= 15 && rest >> field; ++i)
-        if (i == 14 || i == 15) ticks += std::atoll(field.c_str());
+    for (int field = 3; field <= 15; ++field) {
+        char* end = nullptr;
+        const long long value = std::strtoll(p, &end, 10);
+        if (end == p) {  // not a number (field 3 is the state letter): skip the word
+            while (*p == ' ') ++p;
+            while (*p != ' ' && *p != '\0') ++p;
+        } else {
+            p = end;
+        }
+        if (field == 14 || field == 15) ticks += value;
+    }
     return ticks;
 }
 
@@ -73,25 +97,33 @@ ThreadGovernor::ThreadGovernor(int max, bool enabled)
     if (enabled_) last_ = read_sample();
 }
 
-ThreadGovernor::Sample ThreadGovernor::read_sample() const {
+ThreadGovernor::Sample ThreadGovernor::read_sample() {
     Sample s;
-    std::ifstream stat("/proc/stat");
-    std::string line;
-    while (std::getline(stat, line)) {
-        if (line.compare(0, 3, "cpu") != 0) break;        // the cpu lines come first
-        if (line.size() < 4 || line[3] == ' ') continue;  // the all-CPU line
-        std::istringstream in(line.substr(3));
-        size_t cpu = 0;
-        long long user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0,
-                  steal = 0;
-        if (!(in >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal))
-            return s;
-        if (cpu >= allowed_.size() || !allowed_[cpu]) continue;
-        const long long busy = user + nice + system + irq + softirq + steal;
-        s.busy += busy;
-        s.total += busy + idle + iowait;
+    if (!read_proc("/proc/stat", buf_)) return s;
+    // "cpuN user nice system idle iowait irq softirq steal ..." per CPU, after the "cpu " total.
+    for (const char* line = buf_.data(); std::strncmp(line, "cpu", 3) == 0;) {
+        const char* p = line + 3;
+        char* end = nullptr;
+        const long long cpu = std::strtoll(p, &end, 10);
+        // The total's line is "cpu  ..." (no number right after "cpu"): skipped.
+        if (*p >= '0' && *p <= '9' && static_cast<size_t>(cpu) < allowed_.size() &&
+            allowed_[static_cast<size_t>(cpu)]) {
+            long long v[8] = {};  // user nice system idle iowait irq softirq steal
+            p = end;
+            for (long long& x : v) {
+                x = std::strtoll(p, &end, 10);
+                p = end;
+            }
+            const long long busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+            s.busy += busy;
+            s.total += busy + v[3] + v[4];
+        }
+        const char* next = std::strchr(line, '\n');
+        if (next == nullptr) break;
+        line = next + 1;
     }
-    s.self = own_ticks();
+    if (!read_proc("/proc/self/stat", buf_)) return s;
+    s.self = own_ticks(buf_.data());
     s.ok = s.total > 0 && s.self >= 0;
     return s;
 }

@@ -31,7 +31,7 @@ class ThreadGovernor {
         long long self = 0;             // clock ticks of this process
         bool ok = false;
     };
-    Sample read_sample() const;
+    Sample read_sample();
     // Of the allowed CPUs, how many other processes kept busy since the last sample.
     double others_busy(const Sample& now) const;
 
@@ -43,6 +43,7 @@ class ThreadGovernor {
     int pending_up_ = 0;  // looks in a row that found room for more threads
     bool looked_ = false;
     std::vector<bool> allowed_;  // [cpu]: in this process's affinity mask
+    std::vector<char> buf_;      // the /proc files' text, reused
     int n_allowed_ = 1;
     Sample last_;
     std::chrono::steady_clock::time_point last_look_;

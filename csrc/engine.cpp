@@ -94,8 +94,9 @@ Engine::Engine(const EngineConfig& config)
     install_log_handler(config.verbose);
     // First, so that its first look at the machine covers the models' loading.
     const bool threads_given = config.target.n_threads > 0;
-    governor_ = std::make_unique<ThreadGovernor>(
-        threads_given ? config.target.n_threads : default_threads(), !threads_given);
+    const int threads = threads_given ? config.target.n_threads : usable_cores();
+    governor_ = std::make_unique<ThreadGovernor>(threads, !threads_given);
+    threads_now_.store(threads);
     if (config.n_draft < 0 || config.n_draft > kMaxDraft)
         throw std::invalid_argument("n_draft must be in [0, " + std::to_string(kMaxDraft) + "]");
     if (config.ngram_min < 1 || config.ngram_max < config.ngram_min || config.ngram_max > 16)
@@ -131,7 +132,6 @@ Engine::Engine(const EngineConfig& config)
     }
     slots_.resize(static_cast<size_t>(config.n_parallel));
     last_used_.assign(static_cast<size_t>(config.n_parallel), 0);
-    threads_now_.store(governor_->current());
 }
 
 Engine::~Engine() { stop_scheduler(); }

@@ -163,7 +163,7 @@ class Engine {
     std::vector<double> measure_decode_cost_locked(const std::vector<llama_token>& context,
                                                    int max_n, int repeats, Model& model);
     void calibrate_locked(const std::vector<llama_token>& context);
-    // Before a step: the thread count the governor finds for this moment, on both models.
+    // Before a step or exclusive work: the governor's thread count for now, on both models.
     void govern_threads();
     // The costs of batches larger than one sequence's steps, for plan_ks.
     BatchCosts measure_batch_costs(const std::vector<llama_token>& context, const CostCurve& curve,

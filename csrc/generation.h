@@ -29,11 +29,11 @@
 namespace specdec {
 
 using Clock = std::chrono::steady_clock;
+using Deadline = std::optional<Clock::time_point>;
 
 inline double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
 }
-using Deadline = std::optional<Clock::time_point>;
 
 // Set from any thread to stop one request ("cancelled"), whether it runs or still waits.
 struct CancelFlag {

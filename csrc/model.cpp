@@ -32,8 +32,6 @@ std::string canonical(const std::string& path) {
 
 }  // namespace
 
-int default_threads() { return usable_cores(); }
-
 std::shared_ptr<llama_model> load_weights(const std::string& path, int n_gpu_layers) {
     static std::mutex mutex;
     static std::map<std::pair<std::string, int>, std::weak_ptr<llama_model>> loaded;
@@ -76,8 +74,7 @@ Model::Model(const ModelParams& params)
     // into equal-sized pieces per sequence, and a step's rows are uneven (each sequence drafts
     // its own K), so separate caches would cost a decode per piece.
     cparams.kv_unified = n_seq > 1;
-    const int threads = params.n_threads > 0 ? params.n_threads : default_threads();
-    n_threads_ = threads;
+    const int threads = params.n_threads > 0 ? params.n_threads : usable_cores();
     cparams.n_threads = threads;
     cparams.n_threads_batch = threads;
     cparams.no_perf = true;

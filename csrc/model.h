@@ -17,7 +17,7 @@ struct ModelParams {
     int n_gpu_layers = 0;
     int n_ctx = 4096;
     int n_batch = 512;
-    int n_threads = 0;  // 0: all cores
+    int n_threads = 0;  // 0: every core this process may use (usable_cores())
     // Sequences the context holds at once (one per slot), each with room for n_ctx tokens.
     int n_seq = 1;
     // Weights loaded by someone else (llama-cpp-python's Llama), used as they are and never
@@ -32,8 +32,6 @@ struct ContextDeleter {
 // The weights of `path` with `n_gpu_layers` offloaded, loaded on first use and shared by every
 // caller until the last one lets go. Throws ModelLoadError with the reason.
 std::shared_ptr<llama_model> load_weights(const std::string& path, int n_gpu_layers);
-// Threads a context gets when ModelParams.n_threads is 0: every core this process may use.
-int default_threads();
 
 class Model {
   public:
@@ -52,7 +50,6 @@ class Model {
     int n_seq() const { return static_cast<int>(held_.size()); }
     // The most tokens one llama_decode takes (llama.cpp caps the asked n_batch at n_ctx).
     int n_batch() const { return static_cast<int>(llama_n_batch(ctx_.get())); }
-    int n_threads() const { return n_threads_; }  // as created
     void set_threads(int n) { llama_set_n_threads(ctx_.get(), n, n); }
 
     std::vector<llama_token> tokenize(const std::string& text, bool add_special,
@@ -91,7 +88,6 @@ class Model {
     const llama_vocab* vocab_ = nullptr;
     std::string path_;
     int n_ctx_;
-    int n_threads_ = 1;
     std::vector<std::vector<llama_token>> held_;  // [seq]
 };
 

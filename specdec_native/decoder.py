@@ -355,9 +355,9 @@ def _compile_jinja(text: str) -> Any:
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """What one generation is asked to do, the one definition that generate(), the CLI and the
-    server share: `checked()` validates every field (one message each) and `engine_request()`
-    maps it, once, to the engine's request. The fields are generate()'s, which documents them."""
+    """What one generation is asked to do, the one definition generate() and the server share:
+    `checked()` validates every field (one message each) and `engine_request()` maps it, once,
+    to the engine's request. The fields are generate()'s, which documents them."""
 
     max_tokens: int = 128
     temperature: float = 0.0

@@ -251,9 +251,10 @@ def _refusal(e: BaseException) -> RequestError:
 
 
 class Run:
-    """One request's generation (SpeculativeDecoder.run) on a worker thread: its cancel flag, its text as it comes,
-    and why the server cut it short, if it did ("disconnect": the client went away; "shutdown":
-    it still waited for a slot at SIGTERM; "grace": still running when the grace period ended)."""
+    """One request's generation (SpeculativeDecoder.run) on a worker thread: its cancel flag,
+    its text as it comes, when it ended, and why the server cut it short, if it did
+    ("disconnect": the client went away; "shutdown": it still waited for a slot at SIGTERM;
+    "grace": still running when the grace period ended)."""
 
     def __init__(
         self,
@@ -269,6 +270,7 @@ class Run:
         self.started = asyncio.Event()  # the engine gave it a slot: every check passed
         self.pieces: asyncio.Queue[str | None] = asyncio.Queue()  # None: no more
         self.cut: str | None = None
+        self.ended = arrived  # when the generation returned (set then)
         loop = asyncio.get_running_loop()
 
         # On the worker thread: hand over to the event loop.
@@ -288,7 +290,16 @@ class Run:
         )
         self.future: asyncio.Future[GenerationResult] = loop.run_in_executor(None, call)
         # Runs after every piece the worker handed over (call_soon_threadsafe keeps their order).
-        self.future.add_done_callback(lambda _: self.pieces.put_nowait(None))
+        self.future.add_done_callback(self._returned)
+
+    def _returned(self, _: object) -> None:
+        self.ended = time.monotonic()
+        self.pieces.put_nowait(None)
+
+    def waited(self, result: GenerationResult) -> float:
+        """Seconds it waited for the engine (it queues for the engine's thread before the
+        engine's own clock starts)."""
+        return max(self.ended - self.arrived - result.stats.t_total, result.stats.t_queue)
 
     def _started(self, then: Callable[[], None]) -> None:
         self.started.set()
@@ -299,33 +310,22 @@ class Run:
             self.cut = self.cut or why
             self.flag.cancel()
 
-    async def until_started(self, request: Request) -> bool:
-        """Waits until the run has a slot (True), or has ended, or the client has gone away
-        (then the run is cancelled); False in both latter cases."""
-        started = asyncio.ensure_future(self.started.wait())
+    async def until(self, request: Request, *, started: bool = False) -> bool:
+        """Waits until the run has ended (or, with `started`, has a slot): True. If the client
+        goes away first, the run is cancelled: False."""
+        awaited: set[asyncio.Future[Any]] = {self.future}
+        if started:
+            awaited.add(asyncio.ensure_future(self.started.wait()))
         gone = asyncio.ensure_future(_disconnected(request))
-        awaited: set[asyncio.Future[Any]] = {started, gone, self.future}
         try:
-            await asyncio.wait(awaited, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(awaited | {gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            started.cancel()
-            gone.cancel()
-        if gone.done() and not gone.cancelled() and not self.started.is_set():
-            self.cancel("disconnect")
-        return self.started.is_set()
-
-    async def until_done(self, request: Request) -> bool:
-        """Waits for the result; False (and the run cancelled) if the client goes away first."""
-        gone = asyncio.ensure_future(_disconnected(request))
-        awaited: set[asyncio.Future[Any]] = {gone, self.future}
-        try:
-            await asyncio.wait(awaited, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not self.future.done():
-            self.cancel("disconnect")
-            return False
-        return True
+            for waiter in awaited - {self.future} | {gone}:
+                waiter.cancel()
+        if self.future.done() or (started and self.started.is_set()):
+            return True
+        self.cancel("disconnect")
+        return False
 
 
 async def _disconnected(request: Request) -> None:
@@ -526,20 +526,18 @@ class Server:
         run = Run(self.decoder, job, rid, chat, arrived, on_start=self._update_gauges)
         self.runs.add(run)
         run.future.add_done_callback(lambda _: self._ended(run))
-        if job.stream:
-            if await run.until_started(request):
-                return EventSourceResponse(
-                    self._events(run),
-                    ping=15,
-                    sep="\n",
-                    # Running streams are cut at the grace limit by the server itself, with a
-                    # last chunk and [DONE]; sse-starlette's own cut is only a backstop.
-                    shutdown_grace_period=self.settings.grace + 5,
-                )
-        elif not await run.until_done(request):
+        if not await run.until(request, started=job.stream):
             return Response(status_code=499)  # nobody is there to read it
-        if not run.future.done():  # a stream whose client hung up while it waited
-            return Response(status_code=499)
+        if job.stream and run.started.is_set():
+            return EventSourceResponse(
+                self._events(run),
+                ping=15,
+                sep="\n",
+                # Running streams are cut at the grace limit by the server itself, with a
+                # last chunk and [DONE]; sse-starlette's own cut is only a backstop.
+                shutdown_grace_period=self.settings.grace + 5,
+            )
+        # Ended (a stream: before it had a slot).
         error = run.future.exception()
         if error is not None:
             return _refusal(error).response()
@@ -572,8 +570,8 @@ class Server:
                 log.info("refused", extra={"fields": fields})
             return
         result = run.future.result()
-        seconds = time.monotonic() - run.arrived
-        waited = self._waited(run, result)
+        seconds = run.ended - run.arrived
+        waited = run.waited(result)
         # A cut names who cut it: the client, a shutdown, the grace limit.
         ended = run.cut if result.finish_reason == "cancelled" and run.cut else result.finish_reason
         self.metrics.observe(result, ended, seconds, waited)
@@ -589,12 +587,6 @@ class Server:
         )
         log.info("request", extra={"fields": fields})
 
-    def _waited(self, run: Run, result: GenerationResult) -> float:
-        """Seconds the request waited for the engine (it queues for the engine's thread before
-        the engine's own clock starts)."""
-        seconds = time.monotonic() - run.arrived
-        return max(seconds - result.stats.t_total, result.stats.t_queue)
-
     def _completion(self, run: Run, result: GenerationResult) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
         if run.chat:
@@ -609,7 +601,7 @@ class Server:
             "model": self.settings.model_alias,
             "choices": [choice],
             "usage": _usage(result),
-            "timings": timings(result, self._waited(run, result)),
+            "timings": timings(result, run.waited(result)),
         }
 
     def _chunk(self, run: Run, text: str | None, finish: str | None) -> dict[str, Any]:
@@ -644,7 +636,7 @@ class Server:
                 return
             result = run.future.result()
             last = self._chunk(run, None if run.chat else "", _finish_reason(result))
-            last["timings"] = timings(result, self._waited(run, result))
+            last["timings"] = timings(result, run.waited(result))
             yield json.dumps(last)
             if run.job.include_usage:
                 usage = self._chunk(run, None, None)

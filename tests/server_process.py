@@ -33,6 +33,15 @@ class Server:
                 return int(line.split()[1]) / 1024
         raise AssertionError("no VmRSS")
 
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {name with labels: value}."""
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("specdec:") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -179,19 +179,11 @@ def test_an_oversized_body_is_refused(chat_server: Server) -> None:
 
 
 def test_metrics_count_what_requests_did(chat_server: Server, client: openai.OpenAI) -> None:
-    def scrape() -> dict[str, float]:
-        out = {}
-        for line in httpx.get(chat_server.url + "/metrics").text.splitlines():
-            if line.startswith("specdec:") and " " in line:
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    before = scrape()
+    before = chat_server.metrics()
     client.completions.create(
         model="smol", prompt="1 2 3 1 2 3 1 2 3 1", max_tokens=10, temperature=0
     )
-    after = scrape()
+    after = chat_server.metrics()
     for name in (
         "specdec:spec_decode_num_drafts_total",
         "specdec:spec_decode_num_draft_tokens_total",

@@ -23,15 +23,6 @@ from specdec_native import models
 COUNTING = "Count from one to one thousand in words: one, two, three, four,"
 
 
-def scrape(server: Server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("specdec:") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def raw_request(server: Server, path: str, body: dict[str, object]) -> socket.socket:
     """Sends a request on a raw socket and returns the socket, unread."""
     data = json.dumps(body).encode()
@@ -63,12 +54,12 @@ def server(smollm2_q40: Path) -> Iterator[Server]:
 
 
 def test_clients_that_hang_up_unstreamed_free_their_slots(server: Server) -> None:
-    before = scrape(server)
+    before = server.metrics()
     body = {"prompt": COUNTING, "max_tokens": 1500, "temperature": 0}
     socks = [raw_request(server, "/v1/completions", body) for _ in range(6)]
     wait_for(
         "two running, four waiting",
-        lambda: scrape(server)["specdec:num_requests_waiting"] == 4,
+        lambda: server.metrics()["specdec:num_requests_waiting"] == 4,
     )
     for sock in socks:
         sock.close()
@@ -76,12 +67,12 @@ def test_clients_that_hang_up_unstreamed_free_their_slots(server: Server) -> Non
     wait_for(
         "the hung-up requests stopped",
         lambda: (
-            scrape(server)["specdec:num_requests_running"] == 0
-            and scrape(server)["specdec:num_requests_waiting"] == 0
+            server.metrics()["specdec:num_requests_running"] == 0
+            and server.metrics()["specdec:num_requests_waiting"] == 0
         ),
         seconds=10,
     )
-    after = scrape(server)
+    after = server.metrics()
     key = 'specdec:requests_total{finish_reason="disconnect"}'
     assert after[key] - before.get(key, 0) == 6  # counted, and named
     assert server.stderr().count("finish_reason=disconnect") >= 6  # and logged
@@ -149,7 +140,7 @@ def test_a_stream_cut_at_the_grace_limit_ends_cleanly_and_queued_requests_get_50
                 pool.submit(httpx.post, url, json=body, timeout=60),
                 pool.submit(httpx.post, url, json={**body, "stream": True}, timeout=60),
             ]
-            wait_for("two waiting", lambda: scrape(s)["specdec:num_requests_waiting"] == 2)
+            wait_for("two waiting", lambda: s.metrics()["specdec:num_requests_waiting"] == 2)
             signalled = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
             refused = [f.result() for f in queued]
@@ -219,18 +210,18 @@ def test_a_soak_of_hostile_traffic_loses_nothing_and_leaks_nothing(
     try:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(one, range(16)))  # warm: allocator pools, metric label sets
-        wait_for("idle", lambda: scrape(s)["specdec:num_requests_running"] == 0)
-        fds, rss, before = open_fds(s), s.rss_mib(), scrape(s)
+        wait_for("idle", lambda: s.metrics()["specdec:num_requests_running"] == 0)
+        fds, rss, before = open_fds(s), s.rss_mib(), s.metrics()
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(one, range(16, 500)))
         wait_for(
             "every request ended",
             lambda: (
-                scrape(s)["specdec:num_requests_running"] == 0
-                and scrape(s)["specdec:num_requests_waiting"] == 0
+                s.metrics()["specdec:num_requests_running"] == 0
+                and s.metrics()["specdec:num_requests_waiting"] == 0
             ),
         )
-        after = scrape(s)
+        after = s.metrics()
         # Every request reached the server and was counted once: as a run (however it ended)
         # or as a refusal (a bad body, a full queue).
         counted = sum(
