@@ -873,6 +873,7 @@ def models_fetch(which: str) -> None:
     help="Scale of the copies' residual writes.",
 )
 @click.option("--quant", default="Q4_0", show_default=True)
+@click.option("--draft-quant", help="The draft's quantisation, when not --quant.")
 @click.option(
     "--draft-skip",
     default=0,
@@ -887,6 +888,7 @@ def models_deep_pair(
     copies: int,
     eps: float,
     quant: str,
+    draft_quant: str | None,
     draft_skip: int,
     out_dir: Path | None,
 ) -> None:
@@ -900,11 +902,31 @@ def models_deep_pair(
         extra_copies=copies,
         epsilon=eps,
         quant=quant,
+        draft_quant=draft_quant,
         draft_skip=draft_skip,
         out_dir=out_dir,
         progress=progress,
     )
     click.echo(f"target {pair.target}\ndraft  {pair.draft}")
+
+
+@models.command("zoo")
+@click.option("--seed", required=True, type=int, help="Which pairs: the same seed, the same pairs.")
+@click.option("--count", default=3, show_default=True, type=click.IntRange(0, 20))
+@click.option("--dry-run", is_flag=True, help="List the recipes without building them.")
+@user_errors
+def models_zoo(seed: int, count: int, dry_run: bool) -> None:
+    """Build a family of pairs drawn with SEED (docs/zoo.md); prints one JSON line per pair."""
+    import dataclasses
+
+    from specdec_native import models as m
+
+    for member in m.zoo_members(seed, count):
+        row: dict[str, object] = dataclasses.asdict(member)
+        if not dry_run:
+            target, draft = m.build_zoo_member(member, progress=progress)
+            row |= {"target": str(target), "draft": str(draft) if draft else None}
+        click.echo(json.dumps(row))
 
 
 @models.command("tiny-pair")

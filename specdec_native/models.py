@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -291,17 +292,21 @@ def build_deep_pair(
     draft_skip: int = 0,
     out_dir: Path | None = None,
     progress: Progress = _quiet,
+    draft_quant: str | None = None,
 ) -> ModelPair:
     """The deep-target pair (see the module doc); cached by its parameters. `draft_skip` > 0
-    leaves that many middle layers out of the draft: a faster draft that agrees less often."""
+    leaves that many middle layers out of the draft: a faster draft that agrees less often.
+    `draft_quant`: the draft's quantisation, when not the target's."""
+    draft_quant = draft_quant or quant
     if extra_copies < 1:
         raise ValueError("extra_copies must be >= 1")
     if not 0 < epsilon <= 1:
         raise ValueError("epsilon must be in (0, 1]")
     if draft_skip < 0:
         raise ValueError("draft_skip must be >= 0")
-    if quant not in QUANT_TYPES:
-        raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(QUANT_TYPES)}")
+    for q in (quant, draft_quant):
+        if q not in QUANT_TYPES:
+            raise ValueError(f"unknown quant {q!r}; choose from {', '.join(QUANT_TYPES)}")
     source = source or fetch_smollm2(progress=progress)
     try:
         n_layer = _block_count(source)
@@ -313,7 +318,9 @@ def build_deep_pair(
             f"{MAX_LAYERS}; use at most {MAX_LAYERS // n_layer - 1} copies"
         )
     try:
-        return _build_deep_pair(source, extra_copies, epsilon, quant, draft_skip, out_dir, progress)
+        return _build_deep_pair(
+            source, extra_copies, epsilon, (quant, draft_quant), draft_skip, out_dir, progress
+        )
     except (KeyError, IndexError, TypeError) as e:  # tensors that do not match the metadata
         raise ValueError(f"cannot build a pair from {source}: {e!r}") from None
 
@@ -322,21 +329,22 @@ def _build_deep_pair(
     source: Path,
     extra_copies: int,
     epsilon: float,
-    quant: str,
+    quants: tuple[str, str],
     draft_skip: int,
     out_dir: Path | None,
     progress: Progress,
 ) -> ModelPair:
     out_dir = out_dir or cache_dir()
+    quant, draft_quant = quants
     stem = source.name.removesuffix(".gguf")
     target = out_dir / f"{stem}.deep{1 + extra_copies}x-eps{epsilon:g}.{quant}.gguf"
     skip = f".skip{draft_skip}" if draft_skip else ""
-    draft = out_dir / f"{stem}{skip}.{quant}.gguf"
+    draft = out_dir / f"{stem}{skip}.{draft_quant}.gguf"
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         if not draft.exists():
-            progress(f"requantizing the draft to {quant}: {draft.name}")
+            progress(f"requantizing the draft to {draft_quant}: {draft.name}")
             f16 = write_layer_skip(source, Path(tmp) / "draft.f16.gguf", draft_skip)
-            quantize(f16, draft, quant)
+            quantize(f16, draft, draft_quant)
         if not target.exists():
             progress(
                 f"building the deep target ({1 + extra_copies}x layers, eps={epsilon:g}): {target.name}"
@@ -349,6 +357,68 @@ def _build_deep_pair(
 def default_pair(progress: Progress = _quiet) -> ModelPair:
     """The embedded default: SmolLM2-135M draft, 6x-deep synthetic target, Q4_0."""
     return build_deep_pair(progress=progress)
+
+
+# -- the pair zoo --------------------------------------------------------------------------
+
+# What a zoo draws from (docs/zoo.md): deep targets of 3-8 times SmolLM2's layers, copies scaled
+# by 0.01-0.1, drafts without 0-6 of the middle layers, each model in one of three quantisations.
+ZOO_COPIES = range(3, 9)
+ZOO_EPSILON = (0.01, 0.1)
+ZOO_SKIP = range(0, 7)
+ZOO_QUANTS = ("Q4_0", "Q4_K_M", "Q8_0")
+
+
+@dataclass(frozen=True)
+class ZooPair:
+    """One member of the pair zoo: a deep-target pair's recipe, or (draft_quant "") Gemma 3
+    270M drafting by n-gram lookup."""
+
+    name: str
+    layers: int = 0  # the target holds this many times the source's layers
+    epsilon: float = 0.0
+    draft_skip: int = 0
+    quant: str = ""
+    draft_quant: str = ""
+
+    @property
+    def ngram(self) -> bool:
+        return not self.draft_quant
+
+
+GEMMA_NGRAM = ZooPair("gemma3-270m-ngram", quant="Q4_K_M")
+
+
+def zoo_members(seed: int, count: int) -> list[ZooPair]:
+    """`count` deep-target recipes drawn with `seed` (the same seed, the same pairs, on every
+    machine), then the Gemma 3 n-gram case."""
+    if count < 0:
+        raise ValueError("count must be >= 0")
+    rng = random.Random(seed)
+    members = []
+    for _ in range(count):
+        layers = rng.choice(ZOO_COPIES)
+        lo, hi = ZOO_EPSILON
+        epsilon = float(f"{math.exp(rng.uniform(math.log(lo), math.log(hi))):.2g}")
+        skip, quant, draft_quant = rng.choice(ZOO_SKIP), *rng.choices(ZOO_QUANTS, k=2)
+        name = f"x{layers}-eps{epsilon:g}-skip{skip}-{quant}-{draft_quant}"
+        members.append(ZooPair(name, layers, epsilon, skip, quant, draft_quant))
+    return [*members, GEMMA_NGRAM]
+
+
+def build_zoo_member(member: ZooPair, progress: Progress = _quiet) -> tuple[Path, Path | None]:
+    """The member's target and draft (None: n-gram drafting), built once into the cache."""
+    if member.ngram:
+        return fetch_gemma3(progress=progress), None
+    pair = build_deep_pair(
+        extra_copies=member.layers - 1,
+        epsilon=member.epsilon,
+        quant=member.quant,
+        draft_quant=member.draft_quant,
+        draft_skip=member.draft_skip,
+        progress=progress,
+    )
+    return pair.target, pair.draft
 
 
 # -- the tiny-vocab pair -------------------------------------------------------------------

@@ -521,3 +521,12 @@ def test_run_chat_with_a_jinja_template_file(tiny_pair: models.ModelPair, tmp_pa
     assert plain.returncode == 0 and chat.returncode == 0, chat.stderr
     n_plain = json.loads(plain.stdout)["stats"]["n_prompt"]
     assert json.loads(chat.stdout)["stats"]["n_prompt"] > n_plain  # the template's text is there
+
+
+def test_models_zoo_lists_its_pairs_without_building_them() -> None:
+    r = run_cli("models", "zoo", "--seed", "1", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["name"] for row in rows] == [m.name for m in models.zoo_members(1, 3)]
+    assert all("target" not in row for row in rows)
+    assert_one_line_error(run_cli("models", "zoo", "--seed", "1", "--count", "-1"), "count")

@@ -97,3 +97,28 @@ def test_layer_skip_draft_loads_with_fewer_layers(tmp_path: Path) -> None:
         assert (info["target"]["n_layer"], info["draft"]["n_layer"]) == (8, 6)
         r = dec.generate("the cat", 12)
     assert len(r.tokens) == 12 and r.stats.n_drafted > 0
+
+
+def test_zoo_draws_the_same_pairs_from_the_same_seed() -> None:
+    a, b, c = (models.zoo_members(s, 4) for s in (5, 5, 6))
+    assert a == b and a != c
+    assert a[-1] == models.GEMMA_NGRAM and a[-1].ngram
+    for m in a[:-1]:
+        assert not m.ngram
+        assert m.layers in models.ZOO_COPIES and m.draft_skip in models.ZOO_SKIP
+        assert models.ZOO_EPSILON[0] <= m.epsilon <= models.ZOO_EPSILON[1]
+        assert {m.quant, m.draft_quant} <= set(models.ZOO_QUANTS)
+    assert len({m.name for m in a}) == len(a)
+    with pytest.raises(ValueError, match="count"):
+        models.zoo_members(0, -1)
+
+
+def test_a_pair_may_quantise_its_draft_apart(tmp_path: Path) -> None:
+    source = models.write_tiny_model(tmp_path / "src.gguf", n_layer=2)
+    pair = models.build_deep_pair(
+        source, extra_copies=1, quant="Q8_0", draft_quant="Q4_0", out_dir=tmp_path
+    )
+    assert pair.target.name.endswith(".Q8_0.gguf") and pair.draft.name.endswith(".Q4_0.gguf")
+    assert pair.draft.stat().st_size < pair.target.stat().st_size / 2
+    with pytest.raises(ValueError, match="unknown quant"):
+        models.build_deep_pair(source, draft_quant="Q3_X", out_dir=tmp_path)
