@@ -32,6 +32,21 @@ py::str to_str(const std::string& s) {
     return py::reinterpret_steal<py::str>(o);
 }
 
+// The rate check's view for 1..n sequences decoding together (tokens per second; 0: unmeasured).
+py::list measured_rates(const RateCheck& check, int n) {
+    py::list out;
+    for (int i = 1; i <= n; ++i) {
+        const RateCheck::View v = check.view(i);
+        py::dict d;
+        d["speculating"] = v.speculating;
+        d["target_only"] = v.plain;
+        d["holding"] = v.holding;
+        d["last_hold"] = v.last_hold;
+        out.append(d);
+    }
+    return out;
+}
+
 py::dict stats_dict(const Stats& s) {
     py::dict d;
     s.visit([&](const char* name, const auto& value) { d[name] = value; });
@@ -307,8 +322,10 @@ PYBIND11_MODULE(_core, m) {
                  d["draft_costs"] = p.draft_costs();
                  d["batch_verify_costs"] = batch.verify_points();
                  d["batch_draft_costs"] = batch.draft_points();
+                 d["measured_rates"] = measured_rates(e.rate_check(), e.n_parallel());
                  return d;
              })
+        .def("set_rate_check", &Engine::set_rate_check, py::arg("on"))
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
         .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())

@@ -12,6 +12,7 @@
 #include "cost_curve.h"
 #include "generation.h"
 #include "policy.h"
+#include "rate_check.h"
 #include "sampling.h"
 #include "text_stream.h"
 
@@ -128,6 +129,17 @@ void bind_testing(py::module_ m) {
         .def("can_ever_pay", &AdaptivePolicy::can_ever_pay)
         .def_property_readonly("verify_costs", &AdaptivePolicy::verify_costs)
         .def_property_readonly("draft_costs", &AdaptivePolicy::draft_costs);
+
+    // The rate check alone: its decisions from the step rates a test makes up.
+    py::class_<RateCheck>(m, "RateCheck")
+        .def(py::init<int>(), py::arg("max_sequences"))
+        .def("hold_plain", &RateCheck::hold_plain, py::arg("n"), py::arg("modelled_plain"))
+        .def("observe", &RateCheck::observe, py::arg("n"), py::arg("tokens"), py::arg("seconds"),
+             py::arg("drafted"))
+        .def("view", [](const RateCheck& c, int n) {
+            const RateCheck::View v = c.view(n);
+            return py::make_tuple(v.speculating, v.plain, v.holding, v.last_hold);
+        });
 
     // The calibration's estimates from timed sweeps, exposed for unit tests.
     m.def(

@@ -90,7 +90,9 @@ struct Engine::Job {
 };
 
 Engine::Engine(const EngineConfig& config)
-    : config_(config), target_batch_(std::max(config.target.n_batch, kMaxDraft + 1)) {
+    : config_(config),
+      target_batch_(std::max(config.target.n_batch, kMaxDraft + 1)),
+      rate_check_(config.n_parallel) {
     install_log_handler(config.verbose);
     // First, so that its first look at the machine covers the models' loading.
     const bool threads_given = config.target.n_threads > 0;
@@ -339,6 +341,11 @@ BatchCosts Engine::batch_costs() const {
     return batch_costs_;
 }
 
+RateCheck Engine::rate_check() const {
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    return rate_check_;
+}
+
 // ---------------------------------------------------------------- the scheduler
 
 void Engine::schedule() {
@@ -499,6 +506,11 @@ void Engine::start(const std::shared_ptr<RequestChannel>& channel, int seq) {
         if (channel->done) return;
     }
     const auto s = static_cast<size_t>(seq);
+    // A request alone on the engine is new text: a hold that judged the last one ends.
+    if (!any_active()) {
+        std::lock_guard<std::mutex> lock(policy_mutex_);
+        rate_check_.new_text(1);
+    }
     try {
         slots_[s] = std::make_unique<Generation>(parts(), channel, seq, policy());
     } catch (...) {

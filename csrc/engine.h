@@ -22,6 +22,7 @@
 #include "model.h"
 #include "model_drafter.h"
 #include "policy.h"
+#include "rate_check.h"
 
 namespace specdec {
 
@@ -81,6 +82,11 @@ class Engine {
     // The policy as the last adaptive request left it (a copy: requests run on).
     AdaptivePolicy policy() const;
     BatchCosts batch_costs() const;
+    RateCheck rate_check() const;
+    // Whether `auto`'s steps are checked against measured target-only steps (on by default;
+    // off for benchmarks of the policy alone, and for tests whose decisions rest on injected
+    // costs alone).
+    void set_rate_check(bool on) { rate_check_on_.store(on); }
     // Stops every request (they end "cancelled"), refuses every later one, and returns once the
     // scheduler has stopped: after it the engine can be destroyed. Throws ReentrantCallError
     // from a callback.
@@ -134,12 +140,16 @@ class Engine {
     void step();
     // The phases of a step, over decoding_ and prefilling_.
     void choose_ks(int row_cap);
+    // Whether this step must decode the target alone, as the rate check measured (all
+    // decoding sequences adaptive; csrc/rate_check.h).
+    bool held_to_target_only();
     void draft_all();
     // Into target_batch_, at most `room` rows: short prompts whole, longer ones in chunks of at
     // most `budget` rows in all.
     void add_prompt_chunks(int budget, int room);
-    void accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared,
-                    bool with_prompt = false);
+    // Returns the tokens the steps committed.
+    int accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared,
+                   bool with_prompt = false);
     // Sets each adaptive sequence's K for the batch as a whole (several decoding at once).
     void plan_ks(const std::vector<Generation*>& decoding, int prefill_rows);
     // The rows waiting prompts add to this step (add_prompt_chunks', room allowing).
@@ -180,7 +190,8 @@ class Engine {
     std::unique_ptr<ModelDrafter> drafter_;
     Batch target_batch_;
 
-    mutable std::mutex policy_mutex_;  // policy_ and batch_costs_, read from any thread
+    // policy_, batch_costs_ and rate_check_, read from any thread
+    mutable std::mutex policy_mutex_;
     AdaptivePolicy policy_;
     BatchCosts batch_costs_;
 
@@ -207,6 +218,10 @@ class Engine {
     static constexpr int kBatchProbeInterval = 8;
     int steps_since_batch_probe_ = 0;  // steps the plan cut since requests last drafted freely
     std::vector<std::vector<double>> plan_expected_;
+    RateCheck rate_check_;  // policy_mutex_
+    std::atomic<bool> rate_check_on_{true};
+    bool step_measured_ = false;  // this step is one the rate check learns from
+    bool step_drafted_ = false;
     int prefill_chunk_ = kPrefillChunk;
     std::unique_ptr<ThreadGovernor> governor_;
     std::atomic<int> threads_now_{0};

@@ -16,6 +16,7 @@ void Engine::govern_threads() {
 }
 
 void Engine::step() {
+    const auto start = Clock::now();
     govern_threads();
     decoding_.clear();
     prefilling_.clear();
@@ -37,8 +38,12 @@ void Engine::step() {
     // How many tokens each sequence drafts: together their rows fill at most one decode.
     const int row_cap = std::max(1, (n_batch - (prefilling_.empty() ? 0 : prefill_budget)) /
                                         std::max<int>(1, static_cast<int>(decoding_.size())));
-    choose_ks(row_cap);
-    if (decoding_.size() > 1) plan_ks(decoding_, prompt_rows(prefill_budget));
+    if (held_to_target_only()) {
+        for (Generation* g : decoding_) g->hold_target_only();
+    } else {
+        choose_ks(row_cap);
+        if (decoding_.size() > 1) plan_ks(decoding_, prompt_rows(prefill_budget));
+    }
     draft_all();
 
     // One target decode: every sequence's [last, d1..dK], and a chunk of a waiting prompt.
@@ -55,9 +60,32 @@ void Engine::step() {
     for (const auto& [seq, error] : failed_) retire(seq, error);
     if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
     const bool shared = decoding_.size() + prefilled_.size() > 1;
-    accept_all(decoding_, t_verify, shared);
+    const bool measured = step_measured_ && prefilled_.empty() && failed_.empty();
+    const int n = static_cast<int>(decoding_.size());
+    const int tokens = accept_all(decoding_, t_verify, shared);
+    if (measured) {
+        std::lock_guard<std::mutex> lock(policy_mutex_);
+        rate_check_.observe(n, tokens, seconds_since(start), step_drafted_);
+    }
     // Their decode is the prompt's (its time in stats.t_prompt), no step shared with others.
     accept_all(starting_, 0.0, /*shared=*/false, /*with_prompt=*/true);
+}
+
+bool Engine::held_to_target_only() {
+    // A fixed K is the caller's choice, and a step with one is no measure of `auto`'s.
+    step_measured_ = !decoding_.empty() && rate_check_on_.load();
+    for (const Generation* g : decoding_) step_measured_ = step_measured_ && g->adaptive();
+    if (!step_measured_) return false;
+    const int n = static_cast<int>(decoding_.size());
+    double modelled = 0.0;
+    if (n == 1) {
+        modelled = decoding_[0]->modelled_target_only_rate();
+    } else if (!batch_costs_.empty()) {  // written only on this thread: read without the lock
+        const double seconds = batch_costs_.verify(n);
+        modelled = seconds > 0.0 ? n / seconds : 0.0;
+    }
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    return rate_check_.hold_plain(n, modelled);
 }
 
 void Engine::choose_ks(int row_cap) {
@@ -87,7 +115,11 @@ void Engine::draft_all() {
     const auto start = Clock::now();
     if (!draft_jobs_.empty()) drafter_->propose(draft_jobs_);
     const double seconds = seconds_since(start);
-    for (size_t i = 0; i < decoding_.size(); ++i) decoding_[i]->drafted(by_model_[i] ? seconds : 0);
+    step_drafted_ = false;
+    for (size_t i = 0; i < decoding_.size(); ++i) {
+        decoding_[i]->drafted(by_model_[i] ? seconds : 0);
+        step_drafted_ = step_drafted_ || decoding_[i]->has_draft();
+    }
 }
 
 namespace {
@@ -133,8 +165,9 @@ void Engine::add_prompt_chunks(int budget, int room) {
     }
 }
 
-void Engine::accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared,
-                        bool with_prompt) {
+int Engine::accept_all(const std::vector<Generation*>& gens, double t_verify, bool shared,
+                       bool with_prompt) {
+    int tokens = 0;
     for (Generation* g : gens) {
         try {
             g->accept(t_verify, shared, with_prompt);
@@ -142,8 +175,10 @@ void Engine::accept_all(const std::vector<Generation*>& gens, double t_verify, b
             retire(g->seq(), std::current_exception());
             continue;
         }
+        tokens += g->step_tokens();
         if (g->finished()) retire(g->seq());
     }
+    return tokens;
 }
 
 void Engine::size_prefill_chunk(double t_decode, bool with_prefill) {

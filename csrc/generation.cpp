@@ -126,6 +126,17 @@ int Generation::choose_k(int row_cap) {
     return k_;
 }
 
+void Generation::hold_target_only() {
+    k_ = 0;
+    copying_ = false;
+    falling_back_ = true;
+    fallback_why_ = "slower than the target alone, as measured";
+}
+
+double Generation::modelled_target_only_rate() const {
+    return policy_.calibrated() ? 1.0 / policy_.verify_cost(1) : 0.0;
+}
+
 // The longest model draft the policy can weigh, at most `cap`.
 int Generation::model_cap(int cap) const {
     return std::min({cap, policy_.max_k(), static_cast<int>(policy_.verify_costs().size()) - 1});

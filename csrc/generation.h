@@ -160,6 +160,11 @@ class Generation {
     // The K this step wants, at most `row_cap` - 1 (the batch's room for this sequence): fixed,
     // a copy's length, or the policy's choice.
     int choose_k(int row_cap);
+    // This step decodes the target alone: the engine measured `auto`'s steps committing
+    // tokens more slowly than target-only ones (csrc/rate_check.h).
+    void hold_target_only();
+    // Tokens per second the cost model expects of a target-only step (0: not calibrated).
+    double modelled_target_only_rate() const;
     // The expected tokens of a step drafting k = 0..cap tokens as this step would draft them
     // (a copy or the draft model), for batch planning.
     void expected_tokens(int cap, std::vector<double>& out) const;
@@ -177,6 +182,7 @@ class Generation {
     ModelDrafter::Job model_job();
     // After drafting: the stats, and whether to stop trusting the draft.
     void drafted(double seconds);
+    bool has_draft() const { return !draft_.tokens.empty(); }
     // Appends [last, d1..dK] to the target's batch, logits on every row.
     void add_verify_rows(Batch& batch);
     // Reads this sequence's rows of the target decode: accepted prefix plus one token of the
@@ -184,6 +190,8 @@ class Generation {
     // too, so its time is not this K's cost. `with_prompt`: the row rode in the prompt's last
     // chunk (add_first_row), a first token that is no step of K's.
     void accept(double t_verify, bool shared, bool with_prompt = false);
+    // Tokens the last accept() committed (before any cut by a stop).
+    int step_tokens() const { return static_cast<int>(step_tokens_.size()); }
 
     // Hands the result to the caller (or `error`, if set) and frees nothing else.
     void publish(std::exception_ptr error = nullptr);

@@ -1,0 +1,263 @@
+"""The pair zoo's benchmark: `auto` against every fixed K (K = 0 included) on each pair of a zoo
+(docs/zoo.md), at 1 and 4 concurrent streams, greedy and T = 0.8, side by side in one run.
+
+    .venv/bin/python scripts/bench_zoo.py --seed 1 --split heldout [--count 3] [--rounds 2]
+        [-n 48] [--streams 1,4] [--temps 0,0.8] [--llama-cpp] [--out docs/bench/zoo-seed1]
+
+Per pair and cell (streams x temperature), a round runs every configuration once over all the
+split's prompts, the configurations in a rotated order; with 4 streams the prompts go to 4
+threads sharing one decoder with 4 slots (each thread its share of the prompts, one after
+another). A cell's number per configuration is its tokens over its wall time, the median over
+rounds; `auto / best` is the median over rounds of auto's rate over the best fixed
+configuration's in that round. The Gemma 3 n-gram member drafts by n-gram lookup, on the
+split's grounded prompts, with K in 0, 2, 4, 8, 16. With --llama-cpp, the 1-stream cells also
+run llama.cpp's llama-speculative-simple per K (model pairs; its n-gram types for the n-gram
+member), from scripts/build_llama_cpp_tools.sh, counting only the tokens both generated.
+Writes OUT.json (every number) and OUT.md (the tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import specdec_native as sd
+from specdec_native import bench, models
+from specdec_native import vs_llama_cpp as lcpp
+
+ROOT = Path(__file__).parent.parent
+PROMPTS = ROOT / "docs" / "bench" / "zoo-prompts.jsonl"
+MODEL_KS: list[int | str] = ["auto", 0, 1, 2, 3, 4, 5]
+NGRAM_KS: list[int | str] = ["auto", 0, 2, 4, 8, 16]
+# `auto` without the rate check (csrc/rate_check.h): the policy's cost model alone.
+UNCHECKED = "auto-unchecked"
+NGRAM_TYPES = ["ngram-simple", "ngram-map-k", "ngram-mod"]
+SEED = 1234
+
+
+def load_prompts(split: str, kinds: set[str] | None) -> dict[str, str]:
+    out = {}
+    for line in PROMPTS.read_text().splitlines():
+        row = json.loads(line)
+        if row["split"] == split and (kinds is None or row["kind"] in kinds):
+            out[row["name"]] = row["prompt"]
+    return out
+
+
+def run_config(
+    dec: sd.SpeculativeDecoder,
+    prompts: list[str],
+    streams: int,
+    k: int | str,
+    temp: float,
+    n: int,
+    seed: int,
+) -> tuple[int, float]:
+    """(tokens, seconds) of every prompt, `streams` at a time."""
+    tokens = [0]
+    lock = threading.Lock()
+
+    dec._live().set_rate_check(k != UNCHECKED)
+    n_draft = "auto" if k == UNCHECKED else k
+
+    def worker(mine: list[tuple[int, str]]) -> None:
+        for i, prompt in mine:
+            out = dec.generate(prompt, n, n_draft=n_draft, temperature=temp, seed=seed + i)
+            with lock:
+                tokens[0] += len(out.tokens)
+
+    jobs = list(enumerate(prompts))
+    threads = [threading.Thread(target=worker, args=(jobs[s::streams],)) for s in range(streams)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return tokens[0], time.monotonic() - start
+
+
+def run_cell(
+    dec: sd.SpeculativeDecoder,
+    prompts: list[str],
+    configs: list[int | str],
+    streams: int,
+    temp: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {str(k): [] for k in configs}
+    for r in range(args.rounds):
+        for k in bench.rotated(configs, r):
+            tokens, seconds = run_config(dec, prompts, streams, k, temp, args.n, SEED + 100 * r)
+            rates[str(k)].append(tokens / seconds)
+            print(f"    round {r + 1} K={k}: {tokens / seconds:6.1f} tok/s", file=sys.stderr)
+    fixed = [str(k) for k in configs if k not in ("auto", UNCHECKED)]
+    best_per_round = [max(rates[k][r] for k in fixed) for r in range(args.rounds)]
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    best = max(fixed, key=lambda k: median[k])
+    return {
+        "streams": streams,
+        "temperature": temp,
+        "rates": rates,
+        "median": median,
+        "best_fixed": best,
+        "auto_over_best": statistics.median(a / b for a, b in zip(rates["auto"], best_per_round)),
+        "auto_over_k0": statistics.median(a / b for a, b in zip(rates["auto"], rates["0"])),
+        "auto_over_unchecked": statistics.median(
+            a / b for a, b in zip(rates["auto"], rates.get(UNCHECKED, rates["auto"]))
+        ),
+    }
+
+
+def llama_cpp_cell(
+    tools: Path,
+    member: models.ZooPair,
+    files: tuple[Path, Path | None],
+    prompts: list[str],
+    temp: float,
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """llama-speculative-simple's rate per configuration over the prompts (one round)."""
+    target, draft = files
+    specs = NGRAM_TYPES if member.ngram else [f"draft-simple K={k}" for k in range(1, 6)]
+    out = {}
+    for spec in specs:
+        tokens = 0
+        seconds = 0.0
+        for i, prompt in enumerate(prompts):
+            run = lcpp.run_llama_cpp(
+                lcpp.llama_cpp_args(
+                    tools,
+                    target,
+                    draft,
+                    spec,
+                    prompt=prompt,
+                    max_tokens=args.n,
+                    temperature=temp,
+                    seed=SEED + i,
+                    n_ctx=2048,
+                    n_threads=args.threads,
+                    n_gpu_layers=0,
+                )
+            )
+            # Its own rate over what it decoded (it overshoots -n by up to a draft).
+            tokens += run.n_generated
+            seconds += run.n_generated / run.tokens_per_second if run.tokens_per_second else 0.0
+        out[spec] = tokens / seconds if seconds else 0.0
+        print(f"    llama.cpp {spec}: {out[spec]:6.1f} tok/s", file=sys.stderr)
+    return out
+
+
+def bench_member(
+    member: models.ZooPair, args: argparse.Namespace, tools: Path | None
+) -> dict[str, Any]:
+    target, draft = models.build_zoo_member(member, progress=lambda m: print(m, file=sys.stderr))
+    kinds = {"grounded"} if member.ngram else None
+    prompts = list(load_prompts(args.split, kinds).values())
+    configs = (NGRAM_KS if member.ngram else MODEL_KS) + ([UNCHECKED] if args.unchecked else [])
+    result: dict[str, Any] = {"member": member.__dict__, "prompts": len(prompts), "cells": []}
+    for streams in args.streams:
+        with sd.SpeculativeDecoder(
+            target,
+            "ngram" if member.ngram else draft,
+            n_ctx=2048 * streams,
+            n_parallel=streams,
+            n_threads=args.threads,
+        ) as dec:
+            dec.generate(prompts[0], 8, n_draft=0)  # warm-up
+            dec.calibrate(prompts[0])
+            for temp in args.temps:
+                print(f"{member.name}: {streams} stream(s), T={temp:g}", file=sys.stderr)
+                cell = run_cell(dec, prompts, configs, streams, temp, args)
+                if tools is not None and streams == 1:
+                    files = (target, draft)
+                    cell["llama_cpp"] = llama_cpp_cell(tools, member, files, prompts, temp, args)
+                result["cells"].append(cell)
+    return result
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| pair | streams | T | K = 0 | `auto` | best fixed | auto / best | auto / K = 0 "
+        "| auto / unchecked | llama.cpp best |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        for c in res["cells"]:
+            best = c["best_fixed"]
+            lc = c.get("llama_cpp")
+            lc_text = "—"
+            if lc:
+                name = max(lc, key=lambda k: lc[k])
+                lc_text = f"{lc[name]:.1f} ({name})"
+            lines.append(
+                f"| {res['member']['name']} | {c['streams']} | {c['temperature']:g} "
+                f"| {c['median']['0']:.1f} | {c['median']['auto']:.1f} "
+                f"| K={best} {c['median'][best]:.1f} | {c['auto_over_best']:.2f} "
+                f"| {c['auto_over_k0']:.2f} | {c['auto_over_unchecked']:.2f} | {lc_text} |"
+            )
+    ratios = [c["auto_over_best"] for res in results for c in res["cells"]]
+    if ratios:
+        lines.append("")
+        lines.append(
+            f"auto / best fixed: mean {statistics.mean(ratios):.3f}, lowest {min(ratios):.2f} "
+            f"over {len(ratios)} cells"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--seed", type=int, required=True, help="the zoo's seed (docs/zoo.md)")
+    ap.add_argument("--count", type=int, default=3, help="deep-target pairs in the zoo")
+    ap.add_argument("--split", choices=["dev", "heldout"], required=True)
+    ap.add_argument("--only", help="only the members whose name contains this")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("-n", type=int, default=48, help="tokens per request")
+    ap.add_argument("--streams", default="1,4")
+    ap.add_argument("--temps", default="0,0.8")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp beside the 1-stream cells")
+    ap.add_argument(
+        "--unchecked", action="store_true", help="also `auto` without the rate check (an A/B)"
+    )
+    ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
+    args = ap.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",")]
+    args.temps = [float(t) for t in args.temps.split(",")]
+    tools = None
+    if args.llama_cpp:
+        built = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "build_llama_cpp_tools.sh")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        tools = Path(built.stdout.strip().splitlines()[-1])
+        args.threads = args.threads or bench.machine_info().get("cores") or 2
+    results = []
+    for member in models.zoo_members(args.seed, args.count):
+        if args.only and args.only not in member.name:
+            continue
+        results.append(bench_member(member, args, tools))
+        report = {
+            "seed": args.seed,
+            "split": args.split,
+            "n": args.n,
+            "rounds": args.rounds,
+            "machine": bench.machine_info(),
+            "results": results,
+        }
+        args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        args.out.with_suffix(".md").write_text(table(results) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
