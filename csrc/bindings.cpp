@@ -255,6 +255,8 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("n_draft", &GenerateRequest::n_draft)
         .def_readwrite("adaptive", &GenerateRequest::adaptive)
         .def_readwrite("draft_p_min", &GenerateRequest::draft_p_min)
+        .def_readwrite("constraint_kind", &GenerateRequest::constraint_kind)
+        .def_readwrite("constraint", &GenerateRequest::constraint)
         .def_property(
             "draft_rule",
             [](const GenerateRequest& r) { return std::string(draft_rule_name(r.draft_rule)); },
@@ -400,6 +402,8 @@ PYBIND11_MODULE(_core, m) {
     m.def("chat_template_names", &chat_template_names,
           "The chat templates llama.cpp knows by name.");
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
+    m.def("load_constraint_library", &load_constraint_library, py::arg("path"),
+          "Loads llguidance's C API from its shared library (structured output).");
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
 
 #ifdef SPECDEC_TEST_HOOKS

@@ -214,6 +214,9 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
     const auto called = Clock::now();
     auto channel =
         std::make_shared<RequestChannel>(request, called, deadline_after(called, request.timeout));
+    if (!request.constraint_kind.empty())
+        channel->constraint =
+            constraint_vocab().compile(request.constraint_kind, request.constraint);
     {
         std::lock_guard<std::mutex> lock(queue_mutex_);
         if (closing_.load()) {
@@ -339,6 +342,12 @@ AdaptivePolicy Engine::policy() const {
 BatchCosts Engine::batch_costs() const {
     std::lock_guard<std::mutex> lock(policy_mutex_);
     return batch_costs_;
+}
+
+const ConstraintVocab& Engine::constraint_vocab() {
+    std::lock_guard<std::mutex> lock(constraint_mutex_);
+    if (!constraint_vocab_) constraint_vocab_ = std::make_unique<ConstraintVocab>(*target_);
+    return *constraint_vocab_;
 }
 
 RateCheck Engine::rate_check() const {

@@ -38,7 +38,8 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
       policy_(policy),
       rng_(req_.seed),
       text_(req_.stop),
-      n_draft_(req_.n_draft >= 0 ? req_.n_draft : parts.default_n_draft) {
+      n_draft_(req_.n_draft >= 0 ? req_.n_draft : parts.default_n_draft),
+      constraint_(std::move(channel_->constraint)) {
     const bool can_draft = parts_.drafter != nullptr || parts_.ngram;
     if (parts_.ngram) ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
     if (!can_draft) n_draft_ = 0;
@@ -236,6 +237,7 @@ ModelDrafter::Job Generation::model_job() {
 
 void Generation::drafted(double seconds) {
     t_draft_step_ += seconds;
+    if (constraint_) keep_valid_draft();
     if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
     stats().count_proposal(static_cast<int>(draft_.tokens.size()));
     if (draft_.below_p_min) ++stats().n_p_min_stops;
@@ -250,6 +252,25 @@ void Generation::drafted(double seconds) {
     stats().t_draft += t_draft_step_;
 }
 
+void Generation::advance_constraint(llama_token token) {
+    // An end-of-generation token ends the request: a finished grammar allows it, and has no
+    // state after it to move to.
+    if (constraint_ && !parts_.target.is_eog(token)) constraint_->consume(token);
+}
+
+void Generation::keep_valid_draft() {
+    size_t keep = constraint_->valid_prefix(draft_.tokens);
+    // A token drafted from q that the grammar forbids is rejected for certain, and the residual
+    // drawn there, norm(max(0, p - q)), depends on q: it stays, so that the draw is the one
+    // exactness needs. A forbidden point mass (an n-gram token, q's argmax) is rejected with
+    // p(x) = 0 and the draw is from p: that is the next position's own, so it goes.
+    const bool sampled_from_q = keep < draft_.tokens.size() && keep < draft_.q.size() &&
+                                draft_.q[keep] != nullptr && !draft_.point_mass && !greedy();
+    if (sampled_from_q) ++keep;
+    draft_.tokens.resize(keep);
+    if (draft_.q.size() > keep) draft_.q.resize(keep);
+}
+
 void Generation::add_verify_rows(Batch& batch) {
     base_ = seq_.size();
     first_row_ = batch.size();
@@ -261,13 +282,16 @@ void Generation::add_verify_rows(Batch& batch) {
 // Row i of this sequence's rows scores the token after [.., last, d1..di]. Non-finite logits
 // have no right answer to give, so they end the request with an error.
 const float* Generation::target_logits(size_t row) {
-    const float* logits =
+    float* logits =
         llama_get_logits_ith(parts_.target.ctx(), first_row_ + static_cast<int32_t>(row));
     if (!all_finite(logits, parts_.target.n_vocab()))
         throw NonFiniteLogitsError(
             "the target model " + parts_.target.path() +
             " produced non-finite logits (NaN or Inf) for the token at position " +
             std::to_string(base_ + row) + ": the model file or the backend is broken");
+    // The grammar's place is after the verdicts of the rows before this one (accept() reads the
+    // rows in order and hands each verdict to the grammar).
+    if (constraint_) constraint_->mask(logits);
     return logits;
 }
 
@@ -287,9 +311,13 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
         const llama_token x = draft_.tokens[i];
         const llama_token verdict = greedy() ? greedy_verdict(i) : sampled_verdict(i, x);
         step_tokens_.push_back(verdict);
+        advance_constraint(verdict);
         if (verdict != x) break;
     }
-    if (i == k) step_tokens_.push_back(target_token(k));
+    if (i == k) {
+        step_tokens_.push_back(target_token(k));
+        advance_constraint(step_tokens_.back());
+    }
     const auto n_accepted = static_cast<int>(i);
     stats().count_acceptance(n_accepted);
     stats().accepted_by[static_cast<int>(draft_.source)] += n_accepted;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "batch.h"
+#include "constraint.h"
 #include "copy_policy.h"
 #include "drafter.h"
 #include "model.h"
@@ -59,6 +60,9 @@ struct GenerateRequest {
     DraftRule draft_rule = DraftRule::kAuto;
     double timeout = 0.0;  // seconds from the call after which it ends ("timeout"); 0: never
     std::shared_ptr<CancelFlag> cancel;  // may be null
+    // A grammar the output must match (csrc/constraint.h): its kind ("" for none) and text.
+    std::string constraint_kind;
+    std::string constraint;
 };
 
 #ifdef SPECDEC_TEST_HOOKS
@@ -98,6 +102,8 @@ struct RequestChannel {
     const GenerateRequest request;
     const Clock::time_point called;
     const Deadline deadline;
+    // The request's grammar, compiled on the caller's thread; the generation takes it.
+    std::unique_ptr<Constraint> constraint;
 
     std::mutex mutex;
     std::condition_variable changed;
@@ -183,6 +189,10 @@ class Generation {
     // After drafting: the stats, and whether to stop trusting the draft.
     void drafted(double seconds);
     bool has_draft() const { return !draft_.tokens.empty(); }
+    // Cuts the draft after the tokens the grammar allows (drafted() does, with a grammar).
+    void keep_valid_draft();
+    // The grammar moves past a committed token.
+    void advance_constraint(llama_token token);
     // Appends [last, d1..dK] to the target's batch, logits on every row.
     void add_verify_rows(Batch& batch);
     // Reads this sequence's rows of the target decode: accepted prefix plus one token of the
@@ -241,11 +251,12 @@ class Generation {
     bool drafting_dropped_ = false;
     bool drafts_with_model_ = false;  // the draft model may be asked (its cache is kept filled)
     Clock::time_point admitted_;
-    std::vector<llama_token> seq_;  // prompt + committed tokens
-    size_t prefilled_ = 0;          // prompt tokens the target's cache holds
-    int k_ = 0;                     // this step's K
-    int cap_ = 0;                   // the most this step may draft
-    bool falling_back_ = false;     // this step's policy chose target-only (and why)
+    std::vector<llama_token> seq_;            // prompt + committed tokens
+    size_t prefilled_ = 0;                    // prompt tokens the target's cache holds
+    int k_ = 0;                               // this step's K
+    int cap_ = 0;                             // the most this step may draft
+    bool falling_back_ = false;               // this step's policy chose target-only (and why)
+    std::unique_ptr<Constraint> constraint_;  // null: no grammar
     std::string fallback_why_;
     size_t base_ = 0;    // position of the first draft token
     int first_row_ = 0;  // this sequence's first row in the target's batch

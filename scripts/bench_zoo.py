@@ -36,8 +36,8 @@ ROOT = Path(__file__).parent.parent
 PROMPTS = ROOT / "docs" / "bench" / "zoo-prompts.jsonl"
 MODEL_KS: list[int | str] = ["auto", 0, 1, 2, 3, 4, 5]
 NGRAM_KS: list[int | str] = ["auto", 0, 2, 4, 8, 16]
-# `auto` without the rate check (csrc/rate_check.h): the policy's cost model alone.
-UNCHECKED = "auto-unchecked"
+# `auto` with the rate check on (csrc/rate_check.h; off by default): the A/B of that rule.
+CHECKED = "auto+check"
 NGRAM_TYPES = ["ngram-simple", "ngram-map-k", "ngram-mod"]
 SEED = 1234
 
@@ -64,8 +64,8 @@ def run_config(
     tokens = [0]
     lock = threading.Lock()
 
-    dec._live().set_rate_check(k != UNCHECKED)
-    n_draft = "auto" if k == UNCHECKED else k
+    dec._live().set_rate_check(k == CHECKED)
+    n_draft = "auto" if k == CHECKED else k
 
     def worker(mine: list[tuple[int, str]]) -> None:
         for i, prompt in mine:
@@ -97,7 +97,7 @@ def run_cell(
             tokens, seconds = run_config(dec, prompts, streams, k, temp, args.n, SEED + 100 * r)
             rates[str(k)].append(tokens / seconds)
             print(f"    round {r + 1} K={k}: {tokens / seconds:6.1f} tok/s", file=sys.stderr)
-    fixed = [str(k) for k in configs if k not in ("auto", UNCHECKED)]
+    fixed = [str(k) for k in configs if k not in ("auto", CHECKED)]
     best_per_round = [max(rates[k][r] for k in fixed) for r in range(args.rounds)]
     median = {k: statistics.median(v) for k, v in rates.items()}
     best = max(fixed, key=lambda k: median[k])
@@ -109,8 +109,8 @@ def run_cell(
         "best_fixed": best,
         "auto_over_best": statistics.median(a / b for a, b in zip(rates["auto"], best_per_round)),
         "auto_over_k0": statistics.median(a / b for a, b in zip(rates["auto"], rates["0"])),
-        "auto_over_unchecked": statistics.median(
-            a / b for a, b in zip(rates["auto"], rates.get(UNCHECKED, rates["auto"]))
+        "checked_over_auto": statistics.median(
+            a / b for a, b in zip(rates.get(CHECKED, rates["auto"]), rates["auto"])
         ),
     }
 
@@ -160,7 +160,7 @@ def bench_member(
     target, draft = models.build_zoo_member(member, progress=lambda m: print(m, file=sys.stderr))
     kinds = {"grounded"} if member.ngram else None
     prompts = list(load_prompts(args.split, kinds).values())
-    configs = (NGRAM_KS if member.ngram else MODEL_KS) + ([UNCHECKED] if args.unchecked else [])
+    configs = (NGRAM_KS if member.ngram else MODEL_KS) + ([CHECKED] if args.rate_check else [])
     result: dict[str, Any] = {"member": member.__dict__, "prompts": len(prompts), "cells": []}
     for streams in args.streams:
         with sd.SpeculativeDecoder(
@@ -185,7 +185,7 @@ def bench_member(
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| pair | streams | T | K = 0 | `auto` | best fixed | auto / best | auto / K = 0 "
-        "| auto / unchecked | llama.cpp best |",
+        "| auto+check / auto | llama.cpp best |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
@@ -200,7 +200,7 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"| {res['member']['name']} | {c['streams']} | {c['temperature']:g} "
                 f"| {c['median']['0']:.1f} | {c['median']['auto']:.1f} "
                 f"| K={best} {c['median'][best]:.1f} | {c['auto_over_best']:.2f} "
-                f"| {c['auto_over_k0']:.2f} | {c['auto_over_unchecked']:.2f} | {lc_text} |"
+                f"| {c['auto_over_k0']:.2f} | {c['checked_over_auto']:.2f} | {lc_text} |"
             )
     ratios = [c["auto_over_best"] for res in results for c in res["cells"]]
     if ratios:
@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp beside the 1-stream cells")
     ap.add_argument(
-        "--unchecked", action="store_true", help="also `auto` without the rate check (an A/B)"
+        "--rate-check", action="store_true", help="also `auto` with the rate check (an A/B)"
     )
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
     args = ap.parse_args()

@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import enum
 import functools
+import json
 import math
 import numbers
 import operator
@@ -353,6 +354,75 @@ def _compile_jinja(text: str) -> Any:
         raise ValueError(f"the chat template is not a valid Jinja template: {e}") from None
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex")
+
+
+def constraint_of(
+    json_schema: Any = None,
+    grammar: str | None = None,
+    regex: str | None = None,
+    json_object: bool = False,
+) -> tuple[str, Any] | None:
+    """generate()'s grammar arguments as one (kind, text), at most one of them given: a JSON
+    schema (a dict, or its JSON text), a Lark grammar, a regular expression, or any JSON object."""
+    given = [
+        (kind, value)
+        for kind, value in (
+            ("json_schema", json_schema),
+            ("lark", grammar),
+            ("regex", regex),
+            ("json_object", json_object or None),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        names = {"json_schema": "json_schema", "lark": "grammar", "regex": "regex"}
+        raise ValueError(
+            "give at most one of json_schema, grammar, regex and json_object, got "
+            + ", ".join(names.get(k, k) for k, _ in given)
+        )
+    if not given:
+        return None
+    kind, value = given[0]
+    if kind == "json_object":
+        return ("json_object", "")
+    if kind == "json_schema" and isinstance(value, (dict, bool)):
+        return ("json_schema", json.dumps(value))
+    return (kind, value)
+
+
+def _check_constraint(kind: Any, text: Any) -> tuple[str, str]:
+    if kind not in CONSTRAINT_KINDS:
+        raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}")
+    name = {"lark": "grammar"}.get(kind, kind)
+    if not isinstance(text, str):
+        raise ArgumentTypeError(f"{name} must be a string, got {type(text).__name__}")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not JSON: {e.msg} at {e.pos}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("json_schema must be a JSON object (or true/false)")
+    elif kind != "json_object" and not text.strip():
+        raise ValueError(f"{name} is empty")
+    if "\0" in text:
+        raise ValueError(f"{name} holds a NUL character")
+    return (kind, text)
+
+
+def _load_llguidance() -> None:
+    """llguidance's C API for the engine, from the installed wheel (once)."""
+    try:
+        from llguidance import _lib
+    except ImportError:
+        raise ValueError(
+            "structured output (json_schema, grammar, regex) needs llguidance: "
+            "pip install llguidance"
+        ) from None
+    _core.load_constraint_library(str(_lib.__file__))
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
     """What one generation is asked to do, the one definition generate() and the server share:
@@ -371,6 +441,8 @@ class GenerationSettings:
     draft_rule: str = "auto"
     timeout: float | None = None  # seconds from the call
     deadline: float | None = None  # a time.monotonic() value
+    # A grammar the output must match: (kind, text), kind one of CONSTRAINT_KINDS.
+    constraint: tuple[str, str] | None = None
 
     @classmethod
     def checked(cls, **given: Any) -> GenerationSettings:
@@ -386,7 +458,9 @@ class GenerationSettings:
             )
         n_draft = d["n_draft"]
         seed, timeout, deadline = d["seed"], d["timeout"], d["deadline"]
+        constraint = d["constraint"]
         return cls(
+            constraint=None if constraint is None else _check_constraint(*constraint),
             max_tokens=_check_int("max_tokens", d["max_tokens"]),
             temperature=_check_float("temperature", d["temperature"]),
             top_k=_check_int("top_k", d["top_k"]),
@@ -433,6 +507,9 @@ class GenerationSettings:
         request.draft_rule = self.draft_rule
         request.timeout = self._seconds_left()
         request.cancel = cancel
+        if self.constraint is not None:
+            _load_llguidance()
+            request.constraint_kind, request.constraint = self.constraint
         return request
 
     def adaptive(self, decoder_default: bool) -> bool:
@@ -759,6 +836,10 @@ class SpeculativeDecoder:
         draft_rule: str = "auto",
         timeout: Number | None = None,
         deadline: Number | None = None,
+        json_schema: dict[str, Any] | str | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
+        json_object: bool = False,
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
@@ -784,6 +865,13 @@ class SpeculativeDecoder:
         ``on_text`` receives the text as it is committed, in whole UTF-8 characters.
         ``on_start`` is called once, before any text, when the request takes a slot: every check
         has passed and it no longer waits (never for a call that ends while it waits).
+        Structured output (at most one; needs the llguidance package): ``json_schema`` (a dict or
+        its JSON text), ``grammar`` (Lark syntax, as llguidance reads it), ``regex``, or
+        ``json_object=True`` (any JSON object). Every token is one the grammar allows; the
+        output is the target's distribution restricted to what the grammar allows, drafts
+        included (a draft is cut at its first token the grammar forbids). A grammar that does
+        not compile raises ValueError naming the problem; output the grammar could not finish
+        within ``max_tokens`` ends with finish_reason "length".
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(
@@ -799,6 +887,7 @@ class SpeculativeDecoder:
             draft_rule=draft_rule,
             timeout=timeout,
             deadline=deadline,
+            constraint=constraint_of(json_schema, grammar, regex, json_object),
         )
         return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)
 

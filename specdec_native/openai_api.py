@@ -8,7 +8,7 @@ breaks one is a `BodyError` naming the field, never an exception from deep insid
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -28,7 +28,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
     "logit_bias": lambda v: bool(v),
     "presence_penalty": lambda v: v not in (None, 0, 0.0),
     "frequency_penalty": lambda v: v not in (None, 0, 0.0),
@@ -65,6 +64,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema."""
+
+    name: Optional[str] = Field(None, max_length=256)
+    description: Optional[str] = None
+    json_schema: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+    strict: Optional[bool] = Field(None, description="always enforced")
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+    # llama-server's shorthand: {"type": "json_object", "schema": {...}}
+    schema_: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+
+
 class _Generation(_Body):
     """What both endpoints take."""
 
@@ -83,6 +100,10 @@ class _Generation(_Body):
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(None, ge=1, le=1, description="one choice per request")
     speculative: Optional[Speculative] = None
+    response_format: Optional[ResponseFormat] = None
+    json_schema: Union[dict[str, Any], bool, None] = Field(
+        None, description="llama-server's: the output matches this JSON schema"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -101,6 +122,29 @@ class _Generation(_Body):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """The grammar the output must match, as (kind, text), from response_format or
+        llama-server's json_schema (BodyError when the two disagree)."""
+        fmt = self.response_format
+        schema: Any = None
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise BodyError(
+                    "response_format of type json_schema needs json_schema.schema",
+                    "response_format",
+                )
+            schema = fmt.json_schema.json_schema
+        elif fmt is not None and fmt.type == "json_object":
+            schema = fmt.schema_
+            if schema is None and self.json_schema is None:
+                return ("json_object", "")
+        if self.json_schema is not None:
+            if schema is not None:
+                raise BodyError("give response_format or json_schema, not both", "json_schema")
+            schema = self.json_schema
+        return None if schema is None else ("json_schema", json.dumps(schema))
 
     @property
     def token_limit(self) -> int | None:

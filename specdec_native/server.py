@@ -231,6 +231,7 @@ def _job(
         deadline=(
             time.monotonic() + settings.request_timeout if settings.request_timeout else None
         ),
+        constraint=body.constraint,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, generation, body.stream, include_usage)

@@ -30,7 +30,7 @@ class World:
         self.rng = random.Random(self.seed)
 
     def plain_cost(self, n: int) -> float:
-        return T0 * n**0.5
+        return float(T0 * n**0.5)
 
     def spec_step(self, n: int) -> int:
         # Each sequence commits 1..5 tokens, spread around the mean.
@@ -41,7 +41,9 @@ class World:
         return total
 
 
-def run(check: object, world: World, steps: int, n: int = 1, modelled: float = 0.0) -> dict:
+def run(
+    check: object, world: World, steps: int, n: int = 1, modelled: float = 0.0
+) -> dict[str, float]:
     """Drives the check through `steps` steps of `world`; returns its rate and plain steps."""
     tokens = seconds = 0.0
     plain = 0
@@ -139,16 +141,15 @@ def test_sequence_counts_are_judged_apart_and_out_of_range_is_ignored() -> None:
 def test_an_engine_reports_what_it_measured(deep_pair: models.ModelPair) -> None:
     """The check is fed by real steps: after an `auto` request the engine knows its
     speculating rate for one sequence (whatever this machine makes of it); fixed-K requests
-    and an engine with the check off measure nothing."""
+    and an engine with the check off (the default) measure nothing."""
     with sd.SpeculativeDecoder(
         deep_pair.target, deep_pair.draft, n_draft="auto", calibration_cache=False
     ) as dec:
         dec._live().set_calibration([0.05] * 11, [0.005, 0.006])
-        dec.generate("def fibonacci(n):\n", max_tokens=24, n_draft=3)
-        dec._live().set_rate_check(False)
         dec.generate("def fibonacci(n):\n", max_tokens=24)
-        assert dec.policy_state()["measured_rates"][0]["speculating"] == 0.0
         dec._live().set_rate_check(True)
+        dec.generate("def fibonacci(n):\n", max_tokens=24, n_draft=3)
+        assert dec.policy_state()["measured_rates"][0]["speculating"] == 0.0
         dec.generate("def fibonacci(n):\n", max_tokens=48)
         rates = dec.policy_state()["measured_rates"]
     assert len(rates) == 1

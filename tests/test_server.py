@@ -15,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema  # type: ignore[import-untyped]
 import openai
+import pydantic
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from server_process import ROOT, Server, free_port, start, wait_ready
@@ -152,6 +154,24 @@ def test_speculation_can_be_turned_off_per_request(chat_server: Server) -> None:
             "tools",
         ),
         ("completions", {"prompt": "x", "speculative": {"n_maxx": 1}}, 400, "speculative"),
+        (
+            "completions",
+            {"prompt": "x", "response_format": {"type": "xml"}},
+            400,
+            "response_format",
+        ),
+        (
+            "completions",
+            {"prompt": "x", "response_format": {"type": "json_schema"}},
+            400,
+            "json_schema.schema",
+        ),
+        (
+            "completions",
+            {"prompt": "x", "json_schema": {"type": "object", "properties": {"a": {"type": 5}}}},
+            400,
+            "json_schema",
+        ),
         ("completions", {"prompt": "word " * 2000}, 400, "context"),
         ("completions", {"prompt": []}, 400, "prompt"),
         ("completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
@@ -351,3 +371,46 @@ def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
         )
         assert r.returncode == 1 and "Traceback" not in r.stderr
         assert "chat template" in r.stderr.strip().splitlines()[-1]
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+    is_capital: bool
+
+
+def test_parse_returns_the_schemas_object(client: openai.OpenAI) -> None:
+    """The official client's parse(): a pydantic model as response_format, its JSON schema sent,
+    the answer parsed back into it."""
+    r = client.chat.completions.parse(
+        model="smol",
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        max_tokens=120,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+
+def test_json_object_and_llama_cpps_json_schema_hold(chat_server: Server) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    for extra in ({"json_schema": schema}, {"response_format": {"type": "json_object"}}):
+        r = httpx.post(
+            f"{chat_server.url}/v1/completions",
+            json={"prompt": "JSON:", "max_tokens": 40, "temperature": 0.7, "seed": 3, **extra},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            value = json.loads(choice["text"])
+            assert isinstance(value, dict)
+            if "json_schema" in extra:
+                jsonschema.validate(value, schema)

@@ -1,0 +1,74 @@
+// Structured output: a grammar every generated token must keep valid (a JSON schema, a Lark
+// grammar, a regular expression), checked by llguidance through its C API. The library is
+// loaded at run time from the llguidance Python wheel: nothing of it is linked or vendored.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "model.h"
+
+namespace specdec {
+
+// A grammar that does not compile or that llguidance refuses (past its size and time limits),
+// or llguidance missing: the request's fault, reported before it takes a slot.
+struct ConstraintError : std::invalid_argument {
+    using std::invalid_argument::invalid_argument;
+};
+
+// Loads llguidance's C API from the shared library at `path`; later calls do nothing. Throws
+// ConstraintError when the library or one of its functions is missing.
+void load_constraint_library(const std::string& path);
+
+class Constraint;
+
+// The target's vocabulary as llguidance sees it: each token's bytes (control tokens marked as
+// special), and llama.cpp's tokenizer. Built once per engine, on the first constrained
+// request (about a second for 50k tokens).
+class ConstraintVocab {
+  public:
+    explicit ConstraintVocab(const Model& target);
+    ~ConstraintVocab();
+    ConstraintVocab(const ConstraintVocab&) = delete;
+    ConstraintVocab& operator=(const ConstraintVocab&) = delete;
+
+    // `kind`: "json_schema", "json_object" (any JSON object; `text` ignored), "lark" or "regex".
+    // Throws ConstraintError with llguidance's message for a grammar it refuses.
+    std::unique_ptr<Constraint> compile(const std::string& kind, const std::string& text) const;
+
+  private:
+    struct Tokenizer;
+    std::unique_ptr<Tokenizer> tokenizer_;
+    int n_vocab_;
+};
+
+// One request's place in its grammar. The scheduler thread only, off the GIL.
+class Constraint {
+  public:
+    ~Constraint();
+    Constraint(const Constraint&) = delete;
+    Constraint& operator=(const Constraint&) = delete;
+
+    // Sets the logits of the tokens the grammar forbids next to -inf.
+    void mask(float* logits);
+    // Advances the grammar by `token`, which it must allow.
+    void consume(llama_token token);
+    // How many of `tokens`, from the first, the grammar allows from here (none consumed).
+    size_t valid_prefix(const std::vector<llama_token>& tokens);
+    // Whether the text so far is a complete match (the grammar allows an end here).
+    bool accepting();
+
+  private:
+    friend class ConstraintVocab;
+    Constraint(void* matcher, int n_vocab);
+    // Throws for a matcher in its error state, with its message.
+    void check(int32_t status);
+    void* matcher_;  // LlgMatcher*
+    int n_vocab_;
+    std::vector<uint32_t> mask_;  // one bit per token, as llguidance writes it
+};
+
+}  // namespace specdec

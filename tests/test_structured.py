@@ -1,0 +1,166 @@
+"""Structured output (csrc/constraint.h): every generated token keeps the grammar valid, the
+output is the target's distribution restricted to what the grammar allows (greedy: the same
+tokens as target-only decoding under the grammar; sampling: a chi-squared test, and a test of
+the test), and bad grammars are refused with a message."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+from helpers import engine_request
+from test_distribution import first_tokens, homogeneity_pvalue
+
+import specdec_native as sd
+from specdec_native import models
+from specdec_native._core import testing
+from specdec_native.decoder import _load_llguidance
+
+pytest.importorskip("llguidance")
+
+USER = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+PROMPT = "A user record as JSON:\n"
+
+
+@pytest.fixture(scope="module")
+def deep(deep_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]:
+    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=1024) as dec:
+        yield dec
+
+
+def test_greedy_output_matches_its_schema_and_target_only(deep: sd.SpeculativeDecoder) -> None:
+    outs = {k: deep.generate(PROMPT, 160, n_draft=k, json_schema=USER) for k in (0, 3, "auto")}
+    base = outs[0]
+    assert base.finish_reason == "stop"
+    jsonschema.validate(json.loads(base.text), USER)
+    for k, out in outs.items():
+        # The same tokens as the target alone under the grammar (a near-tie may differ: the
+        # margins say where).
+        n = next((i for i, (a, b) in enumerate(zip(out.tokens, base.tokens)) if a != b), None)
+        if n is not None:
+            assert min(base.margins[n], out.margins[n]) < 1e-3, f"K={k} differs at {n}"
+        else:
+            assert out.tokens == base.tokens
+    assert outs[3].stats.n_drafted > 0  # drafts were made, and cut where the grammar forbids
+
+
+def test_regex_and_lark_grammars_hold(deep: sd.SpeculativeDecoder) -> None:
+    out = deep.generate("Call me at ", 24, regex=r"[0-9]{3}-[0-9]{4}", n_draft=3)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.text) and out.finish_reason == "stop"
+    lark = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
+    out = deep.generate("Is the sky blue? ", 24, grammar=lark, temperature=0.8, seed=1)
+    assert out.text in ("The answer is yes.", "The answer is no.")
+    out = deep.generate("Anything: ", 40, json_object=True, n_draft=2)
+    assert out.finish_reason == "length" or isinstance(json.loads(out.text), dict)
+
+
+def test_output_cut_by_max_tokens_ends_with_length(deep: sd.SpeculativeDecoder) -> None:
+    out = deep.generate(PROMPT, 6, json_schema=USER)
+    assert out.finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"json_schema": "{not json"}, "not JSON"),
+        (
+            {"json_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+            "json_schema",
+        ),
+        ({"regex": "[unclosed"}, "regex"),
+        ({"grammar": "start: undefined_rule"}, "lark"),
+        ({"regex": "a", "json_object": True}, "at most one"),
+    ],
+)
+def test_bad_grammars_are_refused_with_a_message(
+    deep: sd.SpeculativeDecoder, given: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        deep.generate(PROMPT, 8, **given)
+    assert deep.generate("ok", 2).finish_reason == "length"  # the decoder goes on
+
+
+def test_a_pathological_grammar_is_bounded(deep: sd.SpeculativeDecoder) -> None:
+    nested: dict[str, Any] = {"type": "string"}
+    for _ in range(300):
+        nested = {"type": "object", "properties": {"a": nested}, "required": ["a"]}
+    huge_enum = {"enum": [f"value-{i}" for i in range(20_000)]}
+    for schema in (nested, huge_enum):
+        start = time.monotonic()
+        try:
+            deep.generate(PROMPT, 4, json_schema=schema)
+        except ValueError:
+            pass  # refused past llguidance's bounds: fine, as long as it says so quickly
+        assert time.monotonic() - start < 20
+
+
+# -- sampling under a grammar ------------------------------------------------------------------
+
+N = 20_000
+TINY_PROMPT = [1, 300, 270]
+TINY_REGEX = "[a-h ]{1,6}"
+
+
+@pytest.fixture(scope="module")
+def near(tiny_dir: Path) -> Iterator[sd.SpeculativeDecoder]:
+    pair = models.build_tiny_pair(tiny_dir, seed=5, draft_noise=0.5)
+    _load_llguidance()
+    with sd.SpeculativeDecoder(pair.target, pair.draft, n_ctx=64, n_threads=1) as dec:
+        yield dec
+
+
+def constrained_sample(dec: sd.SpeculativeDecoder, k: int, seed0: int) -> Counter[tuple[int, ...]]:
+    engine = dec._live()
+    counts: Counter[tuple[int, ...]] = Counter()
+    text = set()
+    for i in range(N):
+        r = engine_request(
+            TINY_PROMPT, 3, seed0 + i, k, constraint_kind="regex", constraint=TINY_REGEX
+        )
+        out = engine.generate(r)
+        counts[tuple(out["tokens"])] += 1
+        text.add(out["text"])
+    assert all(re.fullmatch(TINY_REGEX, t) or re.fullmatch("[a-h ]*", t) for t in text)
+    return counts
+
+
+def test_sampling_under_a_grammar_is_the_targets_restricted_law(
+    near: sd.SpeculativeDecoder,
+) -> None:
+    base = constrained_sample(near, 0, 10_000_000)
+    spec = constrained_sample(near, 2, 20_000_000)
+    for n in (1, 2, 3):
+        p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
+        assert p > 1e-3, f"first {n} tokens differ from target-only under the grammar (p={p:.2e})"
+    testing.set_wrong_residual(True)
+    try:
+        wrong = constrained_sample(near, 2, 20_000_000)
+    finally:
+        testing.set_wrong_residual(False)
+    p = homogeneity_pvalue(first_tokens(base, 1), first_tokens(wrong, 1))
+    assert p < 1e-6, f"a wrong residual under the grammar went unnoticed (p={p:.2e})"
