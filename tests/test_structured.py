@@ -149,7 +149,7 @@ def constrained_sample(dec: sd.SpeculativeDecoder, k: int, seed0: int) -> Counte
     return counts
 
 
-def test_sampling_under_a_grammar_is_the_targets_restricted_law(
+def test_sampling_under_a_grammar_keeps_the_targets_restricted_distribution(
     near: sd.SpeculativeDecoder,
 ) -> None:
     base = constrained_sample(near, 0, 10_000_000)
