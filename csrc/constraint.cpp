@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -69,7 +70,6 @@ struct Api {
     size_t (*matcher_get_mask_byte_size)(const void*);
     int32_t (*matcher_consume_token)(void*, uint32_t);
     int32_t (*matcher_validate_tokens)(void*, const uint32_t*, size_t);
-    bool (*matcher_is_accepting)(void*);
 };
 
 std::mutex api_mutex;
@@ -140,7 +140,6 @@ void load_constraint_library(const std::string& path) {
     bind(lib, "llg_matcher_get_mask_byte_size", a.matcher_get_mask_byte_size);
     bind(lib, "llg_matcher_consume_token", a.matcher_consume_token);
     bind(lib, "llg_matcher_validate_tokens", a.matcher_validate_tokens);
-    bind(lib, "llg_matcher_is_accepting", a.matcher_is_accepting);
     api = a;
     api_loaded = true;
 }
@@ -226,8 +225,13 @@ void Constraint::check(int32_t status) {
 void Constraint::mask(float* logits) {
     check(api.matcher_compute_mask_into(matcher_, mask_.data(), mask_.size() * sizeof(uint32_t)));
     constexpr float kForbidden = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < n_vocab_; ++t)
-        if (!(mask_[static_cast<size_t>(t) / 32] >> (t % 32) & 1u)) logits[t] = kForbidden;
+    for (size_t w = 0; w < mask_.size(); ++w) {
+        const uint32_t allowed = mask_[w];
+        if (allowed == ~0u) continue;
+        const int first = static_cast<int>(w * 32);
+        for (int t = first; t < std::min(first + 32, n_vocab_); ++t)
+            if (!(allowed >> (t - first) & 1u)) logits[t] = kForbidden;
+    }
 }
 
 void Constraint::consume(llama_token token) {
@@ -241,7 +245,5 @@ size_t Constraint::valid_prefix(const std::vector<llama_token>& tokens) {
     check(n);
     return static_cast<size_t>(n);
 }
-
-bool Constraint::accepting() { return api.matcher_is_accepting(matcher_); }
 
 }  // namespace specdec

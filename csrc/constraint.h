@@ -58,8 +58,6 @@ class Constraint {
     void consume(llama_token token);
     // How many of `tokens`, from the first, the grammar allows from here (none consumed).
     size_t valid_prefix(const std::vector<llama_token>& tokens);
-    // Whether the text so far is a complete match (the grammar allows an end here).
-    bool accepting();
 
   private:
     friend class ConstraintVocab;

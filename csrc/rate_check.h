@@ -56,7 +56,7 @@ class RateCheck {
         int steps_since_plain = 0;    // steps since a plain step was measured
         int steps_since_explore = 0;  // steps since a plain step was taken to measure it
         int hold_left = 0;            // steps of the hold under way
-        int hold = 0;                 // the next hold's length
+        int hold = 0;                 // the last hold's length (the next doubles it)
         bool skip_next = false;       // the first step after a hold pays its catch-up
         bool retrying = false;        // after a hold, until the policies win or lose again
         bool forced = false;          // this step is target-only by the check's choice

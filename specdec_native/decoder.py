@@ -354,7 +354,13 @@ def _compile_jinja(text: str) -> Any:
         raise ValueError(f"the chat template is not a valid Jinja template: {e}") from None
 
 
-CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex")
+# A grammar's kind (the engine's name) -> the generate() argument that gives it.
+CONSTRAINT_ARGUMENTS = {
+    "json_schema": "json_schema",
+    "lark": "grammar",
+    "regex": "regex",
+    "json_object": "json_object",
+}
 
 
 def constraint_of(
@@ -365,36 +371,28 @@ def constraint_of(
 ) -> tuple[str, Any] | None:
     """generate()'s grammar arguments as one (kind, text), at most one of them given: a JSON
     schema (a dict, or its JSON text), a Lark grammar, a regular expression, or any JSON object."""
-    given = [
-        (kind, value)
-        for kind, value in (
-            ("json_schema", json_schema),
-            ("lark", grammar),
-            ("regex", regex),
-            ("json_object", json_object or None),
-        )
-        if value is not None
-    ]
+    values = {"json_schema": json_schema, "lark": grammar, "regex": regex}
+    values["json_object"] = "" if json_object else None
+    given = [(kind, value) for kind, value in values.items() if value is not None]
     if len(given) > 1:
-        names = {"json_schema": "json_schema", "lark": "grammar", "regex": "regex"}
         raise ValueError(
-            "give at most one of json_schema, grammar, regex and json_object, got "
-            + ", ".join(names.get(k, k) for k, _ in given)
+            f"give at most one of {', '.join(CONSTRAINT_ARGUMENTS.values())}, got "
+            + ", ".join(CONSTRAINT_ARGUMENTS[k] for k, _ in given)
         )
     if not given:
         return None
     kind, value = given[0]
-    if kind == "json_object":
-        return ("json_object", "")
     if kind == "json_schema" and isinstance(value, (dict, bool)):
         return ("json_schema", json.dumps(value))
     return (kind, value)
 
 
 def _check_constraint(kind: Any, text: Any) -> tuple[str, str]:
-    if kind not in CONSTRAINT_KINDS:
-        raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}")
-    name = {"lark": "grammar"}.get(kind, kind)
+    """A (kind, text) checked where Python can say more than the engine (which refuses what
+    llguidance refuses, NUL characters included)."""
+    name = CONSTRAINT_ARGUMENTS.get(kind)
+    if name is None:
+        raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_ARGUMENTS)}")
     if not isinstance(text, str):
         raise ArgumentTypeError(f"{name} must be a string, got {type(text).__name__}")
     if kind == "json_schema":
@@ -406,8 +404,6 @@ def _check_constraint(kind: Any, text: Any) -> tuple[str, str]:
             raise ValueError("json_schema must be a JSON object (or true/false)")
     elif kind != "json_object" and not text.strip():
         raise ValueError(f"{name} is empty")
-    if "\0" in text:
-        raise ValueError(f"{name} holds a NUL character")
     return (kind, text)
 
 
@@ -441,7 +437,7 @@ class GenerationSettings:
     draft_rule: str = "auto"
     timeout: float | None = None  # seconds from the call
     deadline: float | None = None  # a time.monotonic() value
-    # A grammar the output must match: (kind, text), kind one of CONSTRAINT_KINDS.
+    # A grammar the output must match: (kind, text), kind a key of CONSTRAINT_ARGUMENTS.
     constraint: tuple[str, str] | None = None
 
     @classmethod
