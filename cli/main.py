@@ -199,6 +199,10 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
         ("accepted/drafted by model", f"{stats.accepted_by_model} / {stats.drafted_by_model}"),
         ("accepted/drafted by n-gram", f"{stats.accepted_by_ngram} / {stats.drafted_by_ngram}"),
         (
+            "accepted/drafted by grammar",
+            f"{stats.accepted_by_grammar} / {stats.drafted_by_grammar}",
+        ),
+        (
             "steps by K drafted",
             " ".join(f"{k}:{n}" for k, n in enumerate(stats.steps_at_k) if n) or "-",
         ),

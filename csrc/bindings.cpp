@@ -212,6 +212,10 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     out["text"] = to_str(result.text);
     out["finish_reason"] = finish_reason_name(result.finish_reason);
     out["margins"] = result.margins;
+    py::list logprobs;
+    for (const auto& t : result.logprobs)
+        logprobs.append(py::make_tuple(t.token, t.logprob, t.top));
+    out["logprobs"] = logprobs;
     out["stats"] = stats_dict(result.stats);
     return out;
 }
@@ -257,6 +261,7 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("draft_p_min", &GenerateRequest::draft_p_min)
         .def_readwrite("constraint_kind", &GenerateRequest::constraint_kind)
         .def_readwrite("constraint", &GenerateRequest::constraint)
+        .def_readwrite("logprobs", &GenerateRequest::logprobs)
         .def_property(
             "draft_rule",
             [](const GenerateRequest& r) { return std::string(draft_rule_name(r.draft_rule)); },
@@ -328,12 +333,20 @@ PYBIND11_MODULE(_core, m) {
                  return d;
              })
         .def("set_rate_check", &Engine::set_rate_check, py::arg("on"))
+        .def("set_grammar_drafts", &Engine::set_grammar_drafts, py::arg("on"))
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
         .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {
                  return e.target().tokenize(text, add_special, parse_special);
+             })
+        .def("token_bytes",
+             [](const Engine& e, const std::vector<int32_t>& tokens) {
+                 e.check_tokens(tokens);
+                 std::vector<py::bytes> out;
+                 for (int32_t t : tokens) out.emplace_back(e.target().token_piece(t));
+                 return out;
              })
         .def("detokenize",
              [](const Engine& e, const std::vector<int32_t>& tokens) {
@@ -404,6 +417,7 @@ PYBIND11_MODULE(_core, m) {
     m.def("system_info", []() { return std::string(llama_print_system_info()); });
     m.def("load_constraint_library", &load_constraint_library, py::arg("path"),
           "Loads llguidance's C API from its shared library (structured output).");
+    m.attr("MAX_TOP_LOGPROBS") = kMaxTopLogprobs;
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
 
 #ifdef SPECDEC_TEST_HOOKS

@@ -70,6 +70,7 @@ struct Api {
     size_t (*matcher_get_mask_byte_size)(const void*);
     int32_t (*matcher_consume_token)(void*, uint32_t);
     int32_t (*matcher_validate_tokens)(void*, const uint32_t*, size_t);
+    int32_t (*matcher_compute_ff_tokens)(void*, uint32_t*, size_t);
 };
 
 std::mutex api_mutex;
@@ -140,6 +141,7 @@ void load_constraint_library(const std::string& path) {
     bind(lib, "llg_matcher_get_mask_byte_size", a.matcher_get_mask_byte_size);
     bind(lib, "llg_matcher_consume_token", a.matcher_consume_token);
     bind(lib, "llg_matcher_validate_tokens", a.matcher_validate_tokens);
+    bind(lib, "llg_matcher_compute_ff_tokens", a.matcher_compute_ff_tokens);
     api = a;
     api_loaded = true;
 }
@@ -244,6 +246,15 @@ size_t Constraint::valid_prefix(const std::vector<llama_token>& tokens) {
         matcher_, reinterpret_cast<const uint32_t*>(tokens.data()), tokens.size());
     check(n);
     return static_cast<size_t>(n);
+}
+
+void Constraint::forced_tokens(std::vector<llama_token>& out, size_t max) {
+    out.resize(max);
+    const int32_t n = max == 0 ? 0
+                               : api.matcher_compute_ff_tokens(
+                                     matcher_, reinterpret_cast<uint32_t*>(out.data()), max);
+    check(n);
+    out.resize(static_cast<size_t>(n));
 }
 
 }  // namespace specdec

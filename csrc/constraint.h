@@ -58,6 +58,9 @@ class Constraint {
     void consume(llama_token token);
     // How many of `tokens`, from the first, the grammar allows from here (none consumed).
     size_t valid_prefix(const std::vector<llama_token>& tokens);
+    // Replaces `out` with the tokens the grammar forces from here (at most `max`; often none):
+    // the canonical tokenization of the bytes it allows alone.
+    void forced_tokens(std::vector<llama_token>& out, size_t max);
 
   private:
     friend class ConstraintVocab;

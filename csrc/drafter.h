@@ -10,7 +10,8 @@
 
 namespace specdec {
 
-enum class DraftSource { kModel = 0, kNgram = 1 };
+// kGrammar: the tokens a request's grammar forces next (a point mass each, like an n-gram's).
+enum class DraftSource { kModel = 0, kNgram = 1, kGrammar = 2 };
 
 struct Draft {
     DraftSource source = DraftSource::kModel;

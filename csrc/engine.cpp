@@ -157,8 +157,9 @@ void Engine::stop_scheduler() {
 }
 
 EngineParts Engine::parts() {
-    return EngineParts{*target_,          draft_.get(),      drafter_.get(),  config_.ngram,
-                       config_.ngram_min, config_.ngram_max, config_.n_draft, kMaxDraft};
+    return EngineParts{*target_,        draft_.get(),      drafter_.get(),
+                       config_.ngram,   config_.ngram_min, config_.ngram_max,
+                       config_.n_draft, kMaxDraft,         grammar_drafts_.load()};
 }
 
 bool Engine::running_on_this_thread() const {
@@ -197,6 +198,10 @@ void Engine::check_request(const GenerateRequest& request) const {
         throw std::invalid_argument("timeout must be a finite number of seconds >= 0 (0: none)");
     for (const auto& s : request.stop)
         if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
+    if (request.logprobs < -1 || request.logprobs > kMaxTopLogprobs)
+        throw std::invalid_argument("logprobs must be -1 (none) or in [0, " +
+                                    std::to_string(kMaxTopLogprobs) + "], got " +
+                                    std::to_string(request.logprobs));
     check_tokens(request.prompt);
     const int n_ctx = std::min(target_->n_ctx(), draft_ ? draft_->n_ctx() : target_->n_ctx());
     if (static_cast<int>(request.prompt.size()) >= n_ctx)

@@ -87,6 +87,9 @@ class Engine {
     // Whether `auto`'s steps are checked against measured target-only steps. Off by default:
     // on held-out zoo pairs it did not win outside the noise (docs/zoo.md).
     void set_rate_check(bool on) { rate_check_on_.store(on); }
+    // Whether requests with a grammar draft the tokens it forces (on by default; off to measure
+    // what they bring). Requests admitted later see the change.
+    void set_grammar_drafts(bool on) { grammar_drafts_.store(on); }
     // Stops every request (they end "cancelled"), refuses every later one, and returns once the
     // scheduler has stopped: after it the engine can be destroyed. Throws ReentrantCallError
     // from a callback.
@@ -102,6 +105,9 @@ class Engine {
     // (unless the thread count was given).
     int n_threads_now() const { return threads_now_.load(); }
 
+    // Throws std::invalid_argument for a token outside the vocabulary.
+    void check_tokens(const std::vector<llama_token>& tokens) const;
+
   private:
     struct Job;
     // Whether the decode running must stop: shutdown(), or the exclusive job's own flag.
@@ -114,8 +120,6 @@ class Engine {
         return static_cast<const Engine*>(engine)->stop_requested();
     }
     void check_not_in_callback(const char* what) const;
-    // Throws std::invalid_argument for a token outside the vocabulary.
-    void check_tokens(const std::vector<llama_token>& tokens) const;
     void check_request(const GenerateRequest& request) const;
     // The target's vocabulary for llguidance: built by the first constrained request.
     const ConstraintVocab& constraint_vocab();
@@ -224,6 +228,7 @@ class Engine {
     std::unique_ptr<ConstraintVocab> constraint_vocab_;  // constraint_mutex_
     RateCheck rate_check_;                               // policy_mutex_
     std::atomic<bool> rate_check_on_{false};
+    std::atomic<bool> grammar_drafts_{true};
     bool step_measured_ = false;  // this step is one the rate check learns from
     bool step_drafted_ = false;
     int prefill_chunk_ = kPrefillChunk;

@@ -107,7 +107,7 @@ void Engine::draft_all() {
     by_model_.assign(decoding_.size(), false);
     for (size_t i = 0; i < decoding_.size(); ++i) {
         Generation* g = decoding_[i];
-        if (!g->draft_by_ngram() && g->k() > 0 && drafter_) {
+        if (!g->draft_forced() && !g->draft_by_ngram() && g->k() > 0 && drafter_) {
             draft_jobs_.push_back(g->model_job());
             by_model_[i] = true;
         }

@@ -188,6 +188,7 @@ void Generation::drop_drafting(const std::string& why) {
 }
 
 void Generation::forget_draft() {
+    draft_.source = DraftSource::kModel;
     draft_.tokens.clear();
     draft_.q.clear();
     draft_.point_mass = false;
@@ -198,8 +199,22 @@ void Generation::forget_draft() {
     t_draft_step_ = 0.0;
 }
 
-bool Generation::draft_by_ngram() {
+// Forced tokens are near-certain drafts that cost no model: under `auto` they fill the step's
+// whole room even where the policy would not draft with the model; a fixed K bounds them.
+bool Generation::draft_forced() {
     forget_draft();
+    const int room = adaptive_ ? cap_ : k_;
+    if (!constraint_ || !parts_.grammar_drafts || room <= 0 || n_draft_ == 0) return false;
+    const auto start = Clock::now();
+    constraint_->forced_tokens(draft_.tokens, static_cast<size_t>(room));
+    if (draft_.tokens.empty()) return false;
+    draft_.source = DraftSource::kGrammar;
+    draft_.q.assign(draft_.tokens.size(), nullptr);
+    t_draft_step_ = seconds_since(start);
+    return true;
+}
+
+bool Generation::draft_by_ngram() {
     if (k_ == 0 || !ngram_ || (adaptive_ && !copying_)) return false;
     const auto start = Clock::now();
     if (copying_)
@@ -241,8 +256,8 @@ void Generation::drafted(double seconds) {
     if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
     stats().count_proposal(static_cast<int>(draft_.tokens.size()));
     if (draft_.below_p_min) ++stats().n_p_min_stops;
-    // A fallback the batch plan overrode (drafting after all) is not one.
-    if (falling_back_ && k_ == 0) {
+    // A fallback the batch plan overrode (drafting after all, or forced tokens) is not one.
+    if (falling_back_ && k_ == 0 && !has_draft()) {
         ++stats().n_fallback_steps;
         if (!fallback_why_.empty()) stats().fallback_reason = fallback_why_;
     }
@@ -311,11 +326,13 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
         const llama_token x = draft_.tokens[i];
         const llama_token verdict = greedy() ? greedy_verdict(i) : sampled_verdict(i, x);
         step_tokens_.push_back(verdict);
+        record_logprob(i, verdict);
         advance_constraint(verdict);
         if (verdict != x) break;
     }
     if (i == k) {
         step_tokens_.push_back(target_token(k));
+        record_logprob(k, step_tokens_.back());
         advance_constraint(step_tokens_.back());
     }
     const auto n_accepted = static_cast<int>(i);
@@ -332,12 +349,12 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
     }
 
     int committed = 0;
-    for (size_t j = 0; j < step_tokens_.size(); ++j)
-        committed += commit(step_tokens_[j], step_margins_.empty() ? 0.0f : step_margins_[j]);
+    for (size_t j = 0; j < step_tokens_.size(); ++j) committed += commit(j);
     stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
     hand_over_text();
-    // The first token from the prompt's last chunk: no K was chosen, nothing to learn.
-    if (adaptive_ && !with_prompt) {
+    // The first token from the prompt's last chunk: no K was chosen, nothing to learn; forced
+    // tokens say nothing of the draft model or of copies.
+    if (adaptive_ && !with_prompt && draft_.source != DraftSource::kGrammar) {
         StepOutcome outcome{static_cast<int>(k), n_accepted,       t_draft_step_,
                             t_step_verify,       draft_.caught_up, draft_.t_catch_up};
         outcome.shared = shared;
@@ -395,8 +412,21 @@ llama_token Generation::target_token(size_t row) {
     return sample(target_distribution(row), rng_);
 }
 
-// Appends one token to the output unless generation already finished; returns 1 if it did.
-int Generation::commit(llama_token token, float margin) {
+// The verdict's row as the verdict read it (target_logits masked it in place already).
+void Generation::record_logprob(size_t row, llama_token verdict) {
+    if (req_.logprobs < 0) return;
+    const size_t j = step_tokens_.size() - 1;
+    if (step_logprobs_.size() <= j) step_logprobs_.resize(j + 1);
+    const float* logits =
+        llama_get_logits_ith(parts_.target.ctx(), first_row_ + static_cast<int32_t>(row));
+    token_logprob(logits, parts_.target.n_vocab(), verdict, req_.logprobs, workspace_,
+                  step_logprobs_[j]);
+}
+
+// Appends the step's j-th verdict to the output unless generation already finished; returns 1
+// if it did.
+int Generation::commit(size_t j) {
+    const llama_token token = step_tokens_[j];
     if (finished()) return 0;
     if (parts_.target.is_eog(token)) {
         finish(FinishReason::kStop);
@@ -405,7 +435,8 @@ int Generation::commit(llama_token token, float margin) {
     if (result_.tokens.empty()) stats().t_first_token = seconds_since(channel_->called);
     seq_.push_back(token);
     result_.tokens.push_back(token);
-    if (greedy()) result_.margins.push_back(margin);
+    if (greedy()) result_.margins.push_back(step_margins_[j]);
+    if (req_.logprobs >= 0) result_.logprobs.push_back(step_logprobs_[j]);
     emit(text_.push(parts_.target.token_piece(token)));
     if (text_.stopped()) {
         finish(FinishReason::kStop);

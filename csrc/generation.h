@@ -63,7 +63,12 @@ struct GenerateRequest {
     // A grammar the output must match (csrc/constraint.h): its kind ("" for none) and text.
     std::string constraint_kind;
     std::string constraint;
+    // -1: none; n >= 0: each emitted token's log-probability under the target (masked by the
+    // grammar, temperature 1) and its n most likely alternatives', n <= kMaxTopLogprobs.
+    int logprobs = -1;
 };
+
+constexpr int kMaxTopLogprobs = 20;
 
 #ifdef SPECDEC_TEST_HOOKS
 // Test builds only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
@@ -82,6 +87,7 @@ struct GenerationResult {
     FinishReason finish_reason = FinishReason::kNone;
     // Greedy only: for each token, the target's top-1 minus top-2 logit where it was chosen.
     std::vector<float> margins;
+    std::vector<TokenLogprob> logprobs;  // per token, when the request asked for them
     Stats stats;
 };
 
@@ -123,6 +129,7 @@ struct EngineParts {
     int ngram_min, ngram_max;
     int default_n_draft;
     int max_draft;
+    bool grammar_drafts;  // draft the tokens a grammar forces
 };
 
 class Generation {
@@ -181,8 +188,11 @@ class Generation {
     int plan_cap() const;
     void set_k(int k) { k_ = k; }
     int k() const { return k_; }
-    // Starts this step's draft (the last one forgotten) from n-gram matches, when configured;
-    // false when it found none (or k is 0).
+    // Starts this step's draft (the last one forgotten) from the tokens the grammar forces next,
+    // when the request has a grammar and drafts at all; false when it forces none.
+    bool draft_forced();
+    // Starts this step's draft from n-gram matches, when configured (after draft_forced found
+    // none); false when it found none (or k is 0).
     bool draft_by_ngram();
     // This sequence's part in the batched model draft (k > 0 and no n-gram draft).
     ModelDrafter::Job model_job();
@@ -230,7 +240,8 @@ class Generation {
     llama_token sampled_verdict(size_t row, llama_token x);
     bool drafts_argmax() const;
     llama_token target_token(size_t row);
-    int commit(llama_token token, float margin);
+    void record_logprob(size_t row, llama_token verdict);
+    int commit(size_t j);
     void emit(const std::string& text);
     void hand_over_text();
 
@@ -264,7 +275,8 @@ class Generation {
     double t_draft_step_ = 0.0;             // this step's drafting seconds
     std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
     std::vector<float> step_margins_;
-    std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
+    std::vector<TokenLogprob> step_logprobs_;  // when asked for: each verdict's
+    std::vector<double> accept_chances_;       // sampling: each verdict's chance of acceptance
     // Sampling with a draft model: over the positions verified, the summed chances of
     // acceptance of a sampled draft (sum min(p, q)) and of q's argmax (p(argmax q)).
     double chance_sampled_ = 0.0;

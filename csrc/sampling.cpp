@@ -145,6 +145,30 @@ float max_probability(const float* logits, int n_vocab, int32_t best) {
     return static_cast<float>(1.0 / sum);
 }
 
+void token_logprob(const float* logits, int n_vocab, int32_t token, int n_top,
+                   SamplingWorkspace& ws, TokenLogprob& out) {
+    float top = -INFINITY;
+    for (int i = 0; i < n_vocab; ++i) top = std::max(top, logits[i]);
+    double sum = 0.0;
+    for (int i = 0; i < n_vocab; ++i) sum += std::exp(static_cast<double>(logits[i] - top));
+    const auto log_z = static_cast<float>(static_cast<double>(top) + std::log(sum));
+    out.token = token;
+    out.logprob = logits[token] - log_z;
+    out.top.clear();
+    if (n_top <= 0) return;
+    auto& c = ws.candidates;
+    c.resize(static_cast<size_t>(n_vocab));
+    for (int i = 0; i < n_vocab; ++i) c[static_cast<size_t>(i)] = {i, logits[i]};
+    const auto n = std::min(static_cast<size_t>(n_top), c.size());
+    std::partial_sort(c.begin(), c.begin() + static_cast<std::ptrdiff_t>(n), c.end(),
+                      [](const Candidate& a, const Candidate& b) {
+                          return a.value > b.value || (a.value == b.value && a.id < b.id);
+                      });
+    // Tokens a grammar forbids (-inf) are no alternatives.
+    for (size_t i = 0; i < n && std::isfinite(c[i].value); ++i)
+        out.top.emplace_back(c[i].id, c[i].value - log_z);
+}
+
 void make_distribution(const float* logits, int n_vocab, const SamplingParams& params,
                        SamplingWorkspace& ws, Distribution& out) {
     auto& c = ws.candidates;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace specdec {
@@ -63,6 +64,17 @@ Top2 top2(const float* logits, int n_vocab);
 
 // softmax(logits)[best] at temperature 1, where best is the argmax.
 float max_probability(const float* logits, int n_vocab, int32_t best);
+
+// A token's log-probability under softmax(logits) at temperature 1, and the `n_top` most
+// likely tokens' (most likely first, the lowest id among equals).
+struct TokenLogprob {
+    int32_t token;
+    float logprob;
+    std::vector<std::pair<int32_t, float>> top;
+};
+// `ws` is scratch space, reused so that asking for logprobs does not allocate per token.
+void token_logprob(const float* logits, int n_vocab, int32_t token, int n_top,
+                   SamplingWorkspace& ws, TokenLogprob& out);
 
 // Applies, in this order: temperature, softmax, top-k, top-p, min-p, renormalisation.
 // Target and draft both go through this one function, so p and q always see the same transforms.

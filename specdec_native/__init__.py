@@ -26,6 +26,7 @@ from specdec_native.decoder import (  # noqa: E402
     GenerationSettings,
     SpeculativeDecoder,
     Stats,
+    TokenLogprob,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "FinishReason",
     "GenerationResult",
     "GenerationSettings",
+    "TokenLogprob",
     "ModelLoadError",
     "NonFiniteLogitsError",
     "ReentrantCallError",

@@ -26,6 +26,7 @@ from specdec_native import _core, calibration
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT: int = _core.MAX_DRAFT  # the longest draft a step may verify
+MAX_TOP_LOGPROBS: int = _core.MAX_TOP_LOGPROBS
 MAX_PARALLEL: int = _core.MAX_PARALLEL  # the most requests one decoder serves at once
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1  # the engine's counts and token ids are 32-bit
 FLOAT32_TINY, FLOAT32_MAX = 1e-30, 1e38  # sampling settings are 32-bit floats in the engine
@@ -112,6 +113,8 @@ class Stats:
     accepted_by_model: int
     drafted_by_ngram: int
     accepted_by_ngram: int
+    drafted_by_grammar: int  # tokens a grammar forced, drafted without a model
+    accepted_by_grammar: int
     n_argmax_drafted: int  # sampling: model drafts that were the draft's argmax (point masses)
     accepted_at: list[int]
     proposed_at: list[int]
@@ -178,6 +181,16 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target at its position (temperature 1, masked by the
+    grammar when there is one), and the likeliest tokens' there, most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     text: str
     tokens: list[int]
@@ -186,6 +199,8 @@ class GenerationResult:
     prompt_tokens: list[int] = field(default_factory=list)
     # Greedy only: per token, the target's top-1 minus top-2 logit where it chose that token.
     margins: list[float] = field(default_factory=list)
+    # When asked for (logprobs=n): per token, its log-probability and the n likeliest tokens'.
+    logprobs: list[TokenLogprob] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -439,6 +454,7 @@ class GenerationSettings:
     deadline: float | None = None  # a time.monotonic() value
     # A grammar the output must match: (kind, text), kind a key of CONSTRAINT_ARGUMENTS.
     constraint: tuple[str, str] | None = None
+    logprobs: int | None = None  # None: none; n: each token's and its n likeliest alternatives'
 
     @classmethod
     def checked(cls, **given: Any) -> GenerationSettings:
@@ -457,6 +473,9 @@ class GenerationSettings:
         constraint = d["constraint"]
         return cls(
             constraint=None if constraint is None else _check_constraint(*constraint),
+            logprobs=None
+            if d["logprobs"] is None
+            else _check_int("logprobs", d["logprobs"], 0, MAX_TOP_LOGPROBS),
             max_tokens=_check_int("max_tokens", d["max_tokens"]),
             temperature=_check_float("temperature", d["temperature"]),
             top_k=_check_int("top_k", d["top_k"]),
@@ -503,6 +522,7 @@ class GenerationSettings:
         request.draft_rule = self.draft_rule
         request.timeout = self._seconds_left()
         request.cancel = cancel
+        request.logprobs = -1 if self.logprobs is None else self.logprobs
         if self.constraint is not None:
             _load_llguidance()
             request.constraint_kind, request.constraint = self.constraint
@@ -720,6 +740,11 @@ class SpeculativeDecoder:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._live().detokenize([_check_int("token", t, 0) for t in tokens])
 
+    def token_bytes(self, tokens: Sequence[int]) -> list[bytes]:
+        """Each token's bytes as the target's tokenizer writes it (a piece of a UTF-8 character,
+        for some)."""
+        return self._live().token_bytes([_check_int("token", t, 0) for t in tokens])
+
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
     ) -> str:
@@ -836,6 +861,7 @@ class SpeculativeDecoder:
         grammar: str | None = None,
         regex: str | None = None,
         json_object: bool = False,
+        logprobs: Integer | None = None,
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
@@ -868,6 +894,9 @@ class SpeculativeDecoder:
         included (a draft is cut at its first token the grammar forbids). A grammar that does
         not compile raises ValueError naming the problem; output the grammar could not finish
         within ``max_tokens`` ends with finish_reason "length".
+        ``logprobs=n`` (0-20) fills ``result.logprobs``: each token's log-probability under the
+        target at its position (temperature 1, masked by the grammar) and the n likeliest
+        tokens' there, read from the verify pass that chose it (no extra decode).
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(
@@ -884,6 +913,7 @@ class SpeculativeDecoder:
             timeout=timeout,
             deadline=deadline,
             constraint=constraint_of(json_schema, grammar, regex, json_object),
+            logprobs=logprobs,
         )
         return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)
 
@@ -927,6 +957,9 @@ class SpeculativeDecoder:
             stats=Stats(**out["stats"]),
             prompt_tokens=tokens,
             margins=list(out["margins"]),
+            logprobs=None
+            if settings.logprobs is None
+            else [TokenLogprob(t, lp, list(top)) for t, lp, top in out["logprobs"]],
         )
         if out["stats"]["recalibrated"]:
             self._calibration = "measured"

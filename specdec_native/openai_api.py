@@ -10,7 +10,16 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .tools import ToolCall, ToolError, ToolFormat, tool_format
 
 MAX_BODY_BYTES = 4 << 20
 MAX_NUMBER_DIGITS = 20  # 2**64 - 1 has 20: no field means anything past it
@@ -18,14 +27,12 @@ MAX_STOPS = 16  # OpenAI takes 4; llama.cpp users send a few more
 MAX_STOP_CHARS = 512
 MAX_SPECULATIVE = 64
 MAX_INT = 1 << 30
+MAX_TOP_LOGPROBS = 20
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 # Fields of the OpenAI API that would change what is generated and that this server does not
 # implement: a request using them gets a 400 rather than a silently different answer.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v not in (None, False),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "tools": lambda v: bool(v),
-    "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
     "logit_bias": lambda v: bool(v),
@@ -82,6 +89,38 @@ class ResponseFormat(_Body):
     schema_: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema")
+    strict: Optional[bool] = Field(None, description="always enforced")
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(description="JSON text")
+
+
+class ToolCallItem(_Body):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class _Generation(_Body):
     """What both endpoints take."""
 
@@ -104,6 +143,9 @@ class _Generation(_Body):
     json_schema: Union[dict[str, Any], bool, None] = Field(
         None, description="llama-server's: the output matches this JSON schema"
     )
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -124,9 +166,29 @@ class _Generation(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
+    def tool_format(self) -> ToolFormat | None:
+        """What the tools and tool_choice ask of the output; None where no tool may be called."""
+        try:
+            answer = self._response_schema
+            return tool_format(self.tools, self.tool_choice, self.parallel_tool_calls, answer)
+        except ToolError as e:
+            raise BodyError(str(e), str(e).split(":")[0]) from None
+
+    @property
     def constraint(self) -> tuple[str, str] | None:
-        """The grammar the output must match, as (kind, text), from response_format or
-        llama-server's json_schema (BodyError when the two disagree)."""
+        """The grammar the output must match, as (kind, text): the tools' format, else
+        response_format or llama-server's json_schema (BodyError when the two disagree)."""
+        tools = self.tool_format
+        if tools is not None:
+            return ("json_schema", json.dumps(tools.schema()))
+        schema = self._response_schema
+        if schema is None:
+            return None
+        return ("json_object", "") if schema == _ANY_OBJECT else ("json_schema", json.dumps(schema))
+
+    @property
+    def _response_schema(self) -> dict[str, Any] | bool | None:
+        """The schema response_format or json_schema ask of the answer."""
         fmt = self.response_format
         schema: Any = None
         if fmt is not None and fmt.type == "json_schema":
@@ -139,12 +201,12 @@ class _Generation(_Body):
         elif fmt is not None and fmt.type == "json_object":
             schema = fmt.schema_
             if schema is None and self.json_schema is None:
-                return ("json_object", "")
+                return _ANY_OBJECT
         if self.json_schema is not None:
             if schema is not None:
                 raise BodyError("give response_format or json_schema, not both", "json_schema")
             schema = self.json_schema
-        return None if schema is None else ("json_schema", json.dumps(schema))
+        return schema  # type: ignore[no-any-return]
 
     @property
     def token_limit(self) -> int | None:
@@ -158,13 +220,32 @@ class ContentPart(_Body):
 
 class Message(_Body):
     role: str = Field(min_length=1, max_length=64)
-    content: Union[str, list[ContentPart]]
+    content: Union[str, list[ContentPart], None] = Field(
+        None, description="null only for an assistant's tool calls"
+    )
+    tool_calls: Optional[list[ToolCallItem]] = None
+    tool_call_id: Optional[str] = Field(None, max_length=256)
+    name: Optional[str] = Field(None, max_length=256)
 
     @property
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(part.text or "" for part in self.content)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("'content' is needed (null only for an assistant's tool calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant's message has 'tool_calls'")
+        return self
+
+    def for_tools(self) -> tuple[str, str | None, list[ToolCall], str | None]:
+        calls = [
+            ToolCall(c.function.name, c.function.arguments, c.id) for c in self.tool_calls or []
+        ]
+        return (self.role, self.text, calls, self.tool_call_id)
 
     @field_validator("content", mode="after")
     @classmethod
@@ -180,10 +261,30 @@ class Message(_Body):
 
 class ChatCompletionRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def n_logprobs(self) -> int | None:
+        """How many alternatives per token to report (None: no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BodyError("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Generation):
     prompt: Union[str, list[int]] = Field(description="text, or token ids; a batch of one")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def n_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @model_validator(mode="after")
+    def _no_tools(self) -> CompletionRequest:
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools are for /v1/chat/completions")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

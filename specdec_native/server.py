@@ -46,6 +46,7 @@ from specdec_native.openai_api import (
     parse_body,
     read_json,
 )
+from specdec_native.tools import StreamedAnswer, ToolFormat, conversation, read_output
 
 log = logging.getLogger("specdec.server")
 
@@ -201,6 +202,7 @@ class Job:
     settings: GenerationSettings
     stream: bool
     include_usage: bool
+    tools: ToolFormat | None = None  # the output is read back as tool calls or an answer
 
 
 def _job(
@@ -209,10 +211,10 @@ def _job(
     settings: ServerSettings,
 ) -> Job:
     """Maps a validated body to a generation."""
+    tools = body.tool_format
     if isinstance(body, ChatCompletionRequest):
-        prompt: str | list[int] = decoder.apply_chat_template(
-            [{"role": m.role, "content": m.text} for m in body.messages]
-        )
+        messages = conversation([m.for_tools() for m in body.messages], tools)
+        prompt: str | list[int] = decoder.apply_chat_template(messages)
     else:
         prompt = body.prompt
     spec = body.speculative
@@ -232,9 +234,10 @@ def _job(
             time.monotonic() + settings.request_timeout if settings.request_timeout else None
         ),
         constraint=body.constraint,
+        logprobs=body.n_logprobs,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Job(prompt, generation, body.stream, include_usage)
+    return Job(prompt, generation, body.stream, include_usage, tools)
 
 
 def _refusal(e: BaseException) -> RequestError:
@@ -590,11 +593,20 @@ class Server:
 
     def _completion(self, run: Run, result: GenerationResult) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
-        if run.chat:
+        choice["logprobs"] = self._logprobs(run, result)
+        if run.chat and run.job.tools is not None:
+            content, calls = read_output(result.text)
+            choice["message"] = {
+                "role": "assistant",
+                "content": result.text if content is None and not calls else content,
+            }
+            if calls:
+                choice["message"]["tool_calls"] = [call.openai() for call in calls]
+                choice["finish_reason"] = "tool_calls"
+        elif run.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
-            choice["logprobs"] = None
         return {
             "id": run.rid,
             "object": "chat.completion" if run.chat else "text_completion",
@@ -620,6 +632,54 @@ class Server:
             "choices": [choice],
         }
 
+    def _logprobs(self, run: Run, result: GenerationResult) -> dict[str, Any] | None:
+        """The tokens' logprobs in OpenAI's shape for the endpoint (a stream sends them all with
+        its last chunk)."""
+        if result.logprobs is None:
+            return None
+        assert self.decoder is not None
+        entries = result.logprobs
+        ids = [e.token for e in entries] + [t for e in entries for t, _ in e.top]
+        pieces = dict(zip(ids, self.decoder.token_bytes(ids)))
+
+        def text(token: int) -> str:
+            return pieces[token].decode("utf-8", "replace")
+
+        if run.chat:
+
+            def item(token: int, logprob: float) -> dict[str, Any]:
+                return {"token": text(token), "logprob": logprob, "bytes": list(pieces[token])}
+
+            content = [
+                item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+            return {"content": content, "refusal": None}
+        offsets, at = [], 0
+        for e in entries:
+            offsets.append(at)
+            at += len(text(e.token))
+        return {
+            "tokens": [text(e.token) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _answer_end(self, run: Run, answer: StreamedAnswer, text: str) -> list[dict[str, Any]]:
+        """The chunks a streamed output with tools ends with: its tool calls, or what of the
+        answer was not streamed yet (all of it, if it was no string or is incomplete)."""
+        content, calls = read_output(text)
+        deltas: list[dict[str, Any]]
+        if calls:
+            deltas = [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
+        elif content is None:
+            deltas = [] if answer.streamed else [{"content": text}]
+        else:
+            rest = content[len(answer.streamed) :] if content.startswith(answer.streamed) else ""
+            deltas = [{"content": rest}] if rest else []
+        return [{"index": 0, "delta": d, "finish_reason": None} for d in deltas]
+
     async def _events(self, run: Run) -> AsyncIterator[str]:
         """The run's text as server-sent events, then its finish reason, usage and [DONE]. A
         client that goes away cancels this task: leaving here cancels the run."""
@@ -628,15 +688,23 @@ class Server:
                 first = self._chunk(run, None, None)
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield json.dumps(first)
+            answer = StreamedAnswer() if run.job.tools is not None else None
             while (piece := await run.pieces.get()) is not None:
-                yield json.dumps(self._chunk(run, piece, None))
+                for text in [piece] if answer is None else answer.feed(piece):
+                    yield json.dumps(self._chunk(run, text, None))
             error = run.future.exception()
             if error is not None:  # the model or the backend failed mid-stream
                 refusal = _refusal(error)
                 yield json.dumps({"error": {"message": refusal.message, "type": refusal.kind}})
                 return
             result = run.future.result()
-            last = self._chunk(run, None if run.chat else "", _finish_reason(result))
+            finish = _finish_reason(result)
+            if answer is not None:
+                for chunk in self._answer_end(run, answer, result.text):
+                    finish = "tool_calls" if "tool_calls" in chunk["delta"] else finish
+                    yield json.dumps(self._chunk(run, None, None) | {"choices": [chunk]})
+            last = self._chunk(run, None if run.chat else "", finish)
+            last["choices"][0]["logprobs"] = self._logprobs(run, result)
             last["timings"] = timings(result, run.waited(result))
             yield json.dumps(last)
             if run.job.include_usage:

@@ -13,13 +13,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import jsonschema  # type: ignore[import-untyped]
 import openai
 import pydantic
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 from server_process import ROOT, Server, free_port, start, wait_ready
 
 from specdec_native import models
@@ -146,7 +147,13 @@ def test_speculation_can_be_turned_off_per_request(chat_server: Server) -> None:
         ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ("completions", {"prompt": "x", "n": 2}, 400, "'n'"),
-        ("completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "logprobs: true",
+        ),
         (
             "chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
@@ -414,3 +421,276 @@ def test_json_object_and_llama_cpps_json_schema_hold(chat_server: Server) -> Non
             assert isinstance(value, dict)
             if "json_schema" in extra:
                 jsonschema.validate(value, schema)
+
+
+WEATHER_TOOLS: list[ChatCompletionFunctionToolParam] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city today.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The local time in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def _check_call(call: object, name: str | None = None) -> dict[str, object]:
+    """A tool call as OpenAI answers it, its arguments valid under the tool's parameters."""
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall
+
+    assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+    assert call.type == "function" and call.id.startswith("call_")
+    tools = {t["function"]["name"]: t["function"] for t in WEATHER_TOOLS}
+    assert call.function.name in tools and call.function.name == (name or call.function.name)
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tools[call.function.name]["parameters"])
+    return arguments  # type: ignore[no-any-return]
+
+
+def test_a_tool_round_trip(client: openai.OpenAI) -> None:
+    """A named tool is called with arguments its schema allows; its result goes back as a tool
+    message; the answer after it, with tool_choice "none", is text."""
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the weather in Paris?"}
+    ]
+    r = client.chat.completions.create(
+        model="smol",
+        messages=messages,
+        tools=WEATHER_TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _check_call(call, "get_weather")
+    messages.append(choice.message.model_dump(exclude_none=True))  # type: ignore[arg-type]
+    for call in choice.message.tool_calls:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."})
+    r = client.chat.completions.create(
+        model="smol",
+        messages=messages,
+        tools=WEATHER_TOOLS,
+        tool_choice="none",
+        max_tokens=16,
+        temperature=0,
+    )
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    # "required" calls some tool; "auto" either calls one or answers in text.
+    choices: tuple[Literal["required", "auto"], ...] = ("required", "auto")
+    for tool_choice in choices:
+        r = client.chat.completions.create(
+            model="smol",
+            messages=messages[:1],
+            tools=WEATHER_TOOLS,
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,
+            max_tokens=80,
+            temperature=0,
+        )
+        message = r.choices[0].message
+        if tool_choice == "required" or message.tool_calls:
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert message.tool_calls and len(message.tool_calls) == 1
+            _check_call(message.tool_calls[0])
+        else:
+            assert r.choices[0].finish_reason == "stop" and message.content
+    # Calls cut short by max_tokens are no calls: the text comes back as it is, "length".
+    r = client.chat.completions.create(
+        model="smol",
+        messages=messages[:1],
+        tools=WEATHER_TOOLS,
+        tool_choice="required",
+        max_tokens=12,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert (r.choices[0].message.content or "").lstrip().startswith("{")
+
+
+def _streamed(client: openai.OpenAI, **request: object) -> tuple[str, list[dict[str, str]], str]:
+    """A streamed chat's content, tool calls (accumulated from their deltas) and finish."""
+    content, finish = "", ""
+    calls: list[dict[str, str]] = []
+    for chunk in client.chat.completions.create(stream=True, **request):  # type: ignore[call-overload]
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            while len(calls) <= d.index:
+                calls.append({"id": "", "name": "", "arguments": ""})
+            calls[d.index]["id"] += d.id or ""
+            calls[d.index]["name"] += d.function.name or ""
+            calls[d.index]["arguments"] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_streamed_tool_calls_are_the_same_as_unstreamed(
+    client: openai.OpenAI, tool_choice: str
+) -> None:
+    request = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Weather and time in Rome, please."}],
+        "tools": WEATHER_TOOLS,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "max_tokens": 100,
+        "temperature": 0,
+        "extra_body": GREEDY_TARGET_ONLY,
+    }
+    whole = client.chat.completions.create(**request).choices[0]  # type: ignore[call-overload]
+    content, calls, finish = _streamed(client, **request)
+    assert finish == whole.finish_reason
+    assert content == (whole.message.content or "")
+    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert [(c["name"], c["arguments"]) for c in calls] == expected
+    assert all(c["id"].startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        ({"tools": [], "tool_choice": "required"}, "needs tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
+            "",
+        ),
+        ({"tools": WEATHER_TOOLS * 2}, "same name"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ],
+)
+def test_bad_tools_are_400s(chat_server: Server, extra: dict[str, object], match: str) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": WEATHER_TOOLS, **extra}
+    r = httpx.post(f"{chat_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert match in r.json()["error"]["message"]
+
+
+def test_tool_messages_that_cannot_be_read_are_400s(chat_server: Server) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    for body in (
+        {"messages": [{"role": "assistant", "tool_calls": [call]}]},
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "user", "content": "x", "tool_calls": [call]}]},
+        {"prompt": "x", "tools": WEATHER_TOOLS},
+    ):
+        path = "completions" if "prompt" in body else "chat/completions"
+        r = httpx.post(f"{chat_server.url}/v1/{path}", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+
+
+def test_a_langchain_agent_loop_over_two_tools(chat_server: Server) -> None:
+    """LangChain's ChatOpenAI against the server: the model calls one tool, then the other,
+    each result goes back as a ToolMessage, and the last call answers in text."""
+    from langchain_core.messages import AIMessageChunk, BaseMessage, HumanMessage, ToolMessage
+    from langchain_core.messages.ai import add_ai_message_chunks
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city today."""
+        return f"Sunny in {city}."
+
+    @tool
+    def get_time(city: str) -> str:
+        """The local time in a city."""
+        return f"It is noon in {city}."
+
+    llm = ChatOpenAI(
+        base_url=chat_server.url + "/v1",
+        api_key="none",  # type: ignore[arg-type]
+        model="smol",
+        temperature=0,
+        max_completion_tokens=60,
+        max_retries=0,
+    )
+    tools = {"get_weather": get_weather, "get_time": get_time}
+    messages: list[BaseMessage] = [HumanMessage("Weather and time in Oslo?")]
+    for name in ("get_weather", "get_time"):
+        reply = llm.bind_tools(
+            list(tools.values()), tool_choice=name, parallel_tool_calls=False
+        ).invoke(messages)
+        assert reply.tool_calls and reply.tool_calls[0]["name"] == name
+        messages.append(reply)
+        for call in reply.tool_calls:
+            result = tools[call["name"]].invoke(call["args"])
+            messages.append(ToolMessage(result, tool_call_id=call["id"]))
+    answer = llm.bind_tools(list(tools.values()), tool_choice="none").invoke(messages)
+    assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
+    streamed = list(
+        llm.bind_tools(
+            [get_time], tool_choice="get_time", parallel_tool_calls=False, strict=True
+        ).stream(messages[:1])
+    )
+    chunks = [part for part in streamed if isinstance(part, AIMessageChunk)]
+    assert len(chunks) == len(streamed) > 1
+    merged = add_ai_message_chunks(chunks[0], *chunks[1:])
+    assert merged.tool_calls and merged.tool_calls[0]["name"] == "get_time"
+
+
+def test_logprobs_in_openais_shapes(client: openai.OpenAI) -> None:
+    """Chat: logprobs.content per token with top_logprobs, streamed or not; completions: the
+    legacy tokens / token_logprobs / top_logprobs lists."""
+    request = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    r = client.chat.completions.create(**request)  # type: ignore[call-overload]
+    choice = r.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    content = choice.logprobs.content
+    assert r.usage is not None and len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == choice.message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.bytes
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+        assert t.top_logprobs[0].logprob >= t.logprob - 0.05  # greedy takes the likeliest
+    streamed = [
+        t
+        for chunk in client.chat.completions.create(stream=True, **request)  # type: ignore[call-overload]
+        if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content or []
+    ]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    c = client.completions.create(
+        model="smol", prompt="Colours:", max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert "".join(lp.tokens) == c.choices[0].text
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)

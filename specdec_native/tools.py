@@ -1,0 +1,262 @@
+"""Tool calls in a generic JSON format, for models whatever their chat template.
+
+The model sees the tools in a system message and answers with one JSON object, constrained by
+a grammar built from the tools' parameter schemas:
+
+    {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
+    {"response": "It is sunny."}
+
+`tool_choice` picks which of the two the grammar allows ("auto": either; "required": a call;
+a named function: a call of it). Earlier calls and tool results in the conversation are written
+back in the same format: an assistant's calls as its JSON, the tools' results as a user message
+(templates that only know user and assistant turns take that too).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TOOLS = 128
+
+
+class ToolError(ValueError):
+    """Tools, a tool choice or a conversation that cannot be used: the message names it."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's function.arguments
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return out if index is None else {"index": index, **out}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """What a request with tools asks of the output, and how to read it back."""
+
+    functions: list[dict[str, Any]]  # {"name", "description", "parameters"} per tool
+    choice: str  # "auto", "required", or a function's name
+    parallel: bool
+    response_schema: dict[str, Any] | bool | None  # the answer's schema (response_format)
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema of the whole output."""
+        called = self.functions
+        if self.choice not in ("auto", "required"):
+            called = [f for f in self.functions if f["name"] == self.choice]
+        calls = [
+            _object({"name": {"const": f["name"]}, "arguments": f["parameters"]}) for f in called
+        ]
+        array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not self.parallel:
+            array["maxItems"] = 1
+        tool_calls = _object({"tool_calls": array})
+        if self.choice != "auto":
+            return tool_calls
+        answer = {"type": "string"} if self.response_schema is None else self.response_schema
+        return {"anyOf": [tool_calls, _object({"response": answer})]}
+
+    def instructions(self) -> str:
+        """The system message's text that tells the model the tools and the format."""
+        listed = json.dumps(self.functions, ensure_ascii=False)
+        how = (
+            'To call tools, answer {"tool_calls": [{"name": <tool>, "arguments": {...}}]}.'
+            if self.choice != "auto"
+            else 'Answer in JSON: {"tool_calls": [{"name": <tool>, "arguments": {...}}]} to '
+            'call tools, or {"response": <your answer>} to answer the user.'
+        )
+        return f"You can use these tools:\n{listed}\n{how}"
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def tool_format(
+    tools: list[Any] | None,
+    tool_choice: Any,
+    parallel: bool | None,
+    response_schema: dict[str, Any] | bool | None,
+) -> ToolFormat | None:
+    """The format a request's `tools` and `tool_choice` ask for; None where no tool may be
+    called (no tools, or tool_choice "none")."""
+    functions = [_function(i, t) for i, t in enumerate(tools or [])]
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise ToolError("tools: two tools have the same name")
+    if len(functions) > MAX_TOOLS:
+        raise ToolError(f"tools: at most {MAX_TOOLS} tools, got {len(functions)}")
+    choice = _choice(tool_choice, bool(functions))
+    if choice == "none" or not functions:
+        return None
+    if choice not in ("auto", "required") and choice not in names:
+        raise ToolError(f"tool_choice: no tool is named {choice!r}")
+    return ToolFormat(functions, choice, parallel is not False, response_schema)
+
+
+def _function(index: int, tool: Any) -> dict[str, Any]:
+    function = tool.function
+    parameters = function.parameters
+    if parameters is None or parameters == {}:
+        parameters = {"type": "object"}
+    out = {"name": function.name, "parameters": parameters}
+    if function.description:
+        out["description"] = function.description
+    return out
+
+
+def _choice(tool_choice: Any, have_tools: bool) -> str:
+    if tool_choice is None:
+        return "auto" if have_tools else "none"
+    if isinstance(tool_choice, str):
+        if tool_choice in ("required", "auto") and not have_tools:
+            raise ToolError(f"tool_choice: {tool_choice!r} needs tools")
+        return tool_choice
+    if not have_tools:
+        raise ToolError("tool_choice: names a function but no tools were given")
+    return str(tool_choice.function.name)
+
+
+def conversation(
+    messages: list[tuple[str, str | None, list[ToolCall], str | None]],
+    format: ToolFormat | None,
+) -> list[dict[str, str]]:
+    """The messages as the chat template takes them: (role, content, tool_calls,
+    tool_call_id) each; the tools' instructions in the system message; calls and results
+    written in the generic format."""
+    out: list[dict[str, str]] = []
+    for role, content, calls, call_id in messages:
+        if role == "tool":
+            result = {"tool_response": {"tool_call_id": call_id, "content": content or ""}}
+            text = json.dumps(result, ensure_ascii=False)
+            if out and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text, "_tool_results": "1"})
+            continue
+        if role == "assistant" and calls:
+            listed = [{"name": c.name, "arguments": _arguments(c)} for c in calls]
+            content = json.dumps({"tool_calls": listed}, ensure_ascii=False)
+        out.append({"role": role, "content": content or ""})
+    for m in out:
+        m.pop("_tool_results", None)
+    if format is not None:
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {
+                "role": "system",
+                "content": out[0]["content"] + "\n\n" + format.instructions(),
+            }
+        else:
+            out.insert(0, {"role": "system", "content": format.instructions()})
+    return out
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except json.JSONDecodeError:
+        raise ToolError(
+            f"messages: the arguments of tool call {call.id!r} are not JSON: {call.arguments!r}"
+        ) from None
+
+
+def read_output(text: str) -> tuple[str | None, list[ToolCall]]:
+    """The generated JSON as (content, tool calls); None for text that is not a complete
+    output of the format (cut short by max_tokens, say)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None, []
+    if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
+        calls = [
+            ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+            for c in value["tool_calls"]
+        ]
+        return None, calls
+    if isinstance(value, dict) and "response" in value:
+        answer = value["response"]
+        return (answer if isinstance(answer, str) else json.dumps(answer)), []
+    return None, []
+
+
+_ANSWER_START = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+
+
+class StreamedAnswer:
+    """Reads the output as it comes and gives the answer's text as soon as it is known: the
+    characters of {"response": "..."} once decoded. Tool calls (and answers that are not
+    strings) are read whole at the end."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._start: int | None = None  # where the answer's string starts in text
+        self._given = 0  # characters of the string's raw text already given
+        self.streamed = ""  # the answer's text given so far
+
+    def feed(self, piece: str) -> Iterator[str]:
+        self.text += piece
+        if self._start is None:
+            match = _ANSWER_START.match(self.text)
+            if match is None:
+                return
+            self._start = match.end()
+        raw = self.text[self._start :]
+        end = _complete_prefix(raw, self._given)
+        if end > self._given:
+            try:
+                decoded = json.loads('"' + raw[self._given : end] + '"')
+            except json.JSONDecodeError:  # not the format after all: read whole at the end
+                self._start = len(self.text) + 1
+                return
+            self._given = end
+            self.streamed += decoded
+            yield decoded
+
+
+def _complete_prefix(raw: str, start: int) -> int:
+    """How much of a JSON string's raw text (no opening quote) decodes whole: up to its closing
+    quote or an escape not yet complete; a high surrogate waits for its pair."""
+    i = start
+    while i < len(raw):
+        c = raw[i]
+        if c == '"':
+            break
+        if c != "\\":
+            i += 1
+            continue
+        if i + 1 >= len(raw):
+            break
+        if raw[i + 1] != "u":
+            i += 2
+            continue
+        if i + 6 > len(raw):
+            break
+        try:
+            code = int(raw[i + 2 : i + 6], 16)
+        except ValueError:  # not JSON: nothing past it decodes
+            break
+        if 0xD800 <= code < 0xDC00:  # a pair: \ud83d\ude00
+            if i + 12 > len(raw):
+                break
+            i += 12
+        else:
+            i += 6
+    return i

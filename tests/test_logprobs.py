@@ -1,0 +1,66 @@
+"""logprobs: each emitted token's log-probability under the target, read from the verify pass
+that chose it, agrees with a fresh read of the target at that position, with and without
+speculation, and under a grammar covers only tokens the grammar allows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import specdec_native as sd
+
+PROMPT = "The three largest cities of France are"
+
+
+def _log_softmax(logits: list[float]) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    out: np.ndarray = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_are_the_targets_at_each_position(
+    deep_decoder: sd.SpeculativeDecoder, k: int
+) -> None:
+    out = deep_decoder.generate(PROMPT, 12, n_draft=k, logprobs=5)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.tokens)
+    context = list(out.prompt_tokens)
+    for entry, token in zip(out.logprobs, out.tokens):
+        assert entry.token == token and len(entry.top) == 5
+        values = [lp for _, lp in entry.top]
+        assert values == sorted(values, reverse=True) and sum(map(math.exp, values)) <= 1 + 1e-4
+        fresh = _log_softmax(deep_decoder.next_token_logits(context))
+        # A batched verify row and a fresh read differ by a little float noise.
+        assert entry.logprob == pytest.approx(fresh[token], abs=0.05)
+        for t, lp in entry.top:
+            assert lp == pytest.approx(fresh[t], abs=0.05)
+        # Greedy chooses the likeliest token (up to a near-tie).
+        assert entry.top[0][0] == token or entry.top[0][1] - entry.logprob < 0.05
+        context.append(token)
+
+
+def test_no_logprobs_unless_asked_and_bad_counts_refused(
+    deep_decoder: sd.SpeculativeDecoder,
+) -> None:
+    assert deep_decoder.generate(PROMPT, 4).logprobs is None
+    out = deep_decoder.generate(PROMPT, 4, logprobs=0, temperature=0.8, seed=1)
+    assert out.logprobs is not None and all(e.top == [] for e in out.logprobs)
+    assert all(e.logprob <= 0 for e in out.logprobs)
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="logprobs"):
+            deep_decoder.generate(PROMPT, 4, logprobs=bad)
+
+
+def test_under_a_grammar_only_allowed_tokens_have_probability(
+    deep_decoder: sd.SpeculativeDecoder,
+) -> None:
+    pytest.importorskip("llguidance")
+    out = deep_decoder.generate(PROMPT, 8, regex="[0-9]{8}", logprobs=20, n_draft=3)
+    assert out.logprobs is not None and len(out.logprobs) == 8
+    for entry in out.logprobs:
+        # Masked and renormalised: the allowed tokens hold all the probability.
+        texts = [deep_decoder.detokenize([t]) for t, _ in entry.top]
+        assert all(t.isdigit() for t in texts), texts
+        assert sum(math.exp(lp) for _, lp in entry.top) == pytest.approx(1.0, abs=0.02)
