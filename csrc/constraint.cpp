@@ -121,6 +121,18 @@ std::string llguidance_bytes(const Model& model, llama_token token) {
     return piece;
 }
 
+// Whether llama.cpp's tokenizer gives back exactly the bytes it was given. A SentencePiece
+// vocabulary that adds a space prefix does not ("a" -> " a"), and llguidance, which tokenizes
+// the bytes a grammar forces, would then see tokens that do not spell them.
+bool tokenizes_exactly(const Model& model) {
+    for (const std::string probe : {"a", "ab", "1", "{\"", "x y"}) {
+        std::string spelt;
+        for (llama_token t : model.tokenize(probe, false, false)) spelt += model.token_piece(t);
+        if (spelt != probe) return false;
+    }
+    return true;
+}
+
 }  // namespace
 
 void load_constraint_library(const std::string& path) {
@@ -173,8 +185,14 @@ ConstraintVocab::ConstraintVocab(const Model& target)
     init.tok_eos = static_cast<uint32_t>(eos);
     init.token_lens = lens.data();
     init.token_bytes = reinterpret_cast<const uint8_t*>(bytes.data());
-    init.tokenize_fn = tokenize;
-    init.tokenize_user_data = target.vocab();
+    // Where llama.cpp's tokenizer adds bytes, llguidance's own greedy tokenizer (over the same
+    // tokens) stands in: forced tokens may then be spelt less canonically, never wrongly.
+    if (tokenizes_exactly(target)) {
+        init.tokenize_fn = tokenize;
+        init.tokenize_user_data = target.vocab();
+    } else {
+        init.use_approximate_greedy_tokenize_fn = true;
+    }
     // Every other end-of-generation token ends a match too.
     std::vector<uint32_t> extra;
     for (llama_token t = 0; t < n_vocab_; ++t)

@@ -199,12 +199,14 @@ void Generation::forget_draft() {
     t_draft_step_ = 0.0;
 }
 
-// Forced tokens are near-certain drafts that cost no model: under `auto` they fill the step's
-// whole room even where the policy would not draft with the model; a fixed K bounds them.
+// Forced tokens are near-certain drafts that cost no model: under `auto` (and on an engine with
+// nothing else to draft with, unless the request asked for K = 0) they fill the step's whole
+// room, even where the policy would not draft with the model; a fixed K bounds them.
 bool Generation::draft_forced() {
     forget_draft();
-    const int room = adaptive_ ? cap_ : k_;
-    if (!constraint_ || !parts_.grammar_drafts || room <= 0 || n_draft_ == 0) return false;
+    const bool nothing_else = !parts_.drafter && !parts_.ngram;
+    const int room = adaptive_ || (nothing_else && req_.n_draft != 0) ? cap_ : k_;
+    if (!constraint_ || !parts_.grammar_drafts || room <= 0) return false;
     const auto start = Clock::now();
     constraint_->forced_tokens(draft_.tokens, static_cast<size_t>(room));
     if (draft_.tokens.empty()) return false;

@@ -402,6 +402,12 @@ def constraint_of(
     return (kind, value)
 
 
+# JSON under a schema is written compactly unless the schema says otherwise (its own
+# "x-guidance"): one space after ':' and ',', no newlines. Keys and punctuation are then forced,
+# so they are drafted for free, and no token goes to whitespace a small model may loop on.
+COMPACT_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
 def _check_constraint(kind: Any, text: Any) -> tuple[str, str]:
     """A (kind, text) checked where Python can say more than the engine (which refuses what
     llguidance refuses, NUL characters included)."""
@@ -417,6 +423,10 @@ def _check_constraint(kind: Any, text: Any) -> tuple[str, str]:
             raise ValueError(f"json_schema is not JSON: {e.msg} at {e.pos}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("json_schema must be a JSON object (or true/false)")
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            text = json.dumps({**schema, "x-guidance": COMPACT_JSON})
+    elif kind == "json_object":
+        kind, text = "json_schema", json.dumps({"type": "object", "x-guidance": COMPACT_JSON})
     elif kind != "json_object" and not text.strip():
         raise ValueError(f"{name} is empty")
     return (kind, text)

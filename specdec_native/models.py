@@ -452,11 +452,14 @@ def write_tiny_model(
     logit_scale: float = 3.0,
     output_noise: float = 0.0,
     noise_seed: int = 1,
+    space_prefix: bool = True,
 ) -> Path:
     """A random llama-architecture model with a ~320-token SentencePiece vocabulary.
 
     ``output_noise`` adds N(0, output_noise^2) to the output head (drawn from ``noise_seed``):
     the same seed with noise gives a draft that differs from its target by a known amount.
+    ``space_prefix``: whether the tokenizer puts a space before the text, as SentencePiece's
+    Llama does (then "a" tokenizes as " a").
     """
     import gguf
 
@@ -489,6 +492,7 @@ def write_tiny_model(
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    w.add_add_space_prefix(space_prefix)
     w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, np.sqrt(n_embd)))
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
@@ -511,15 +515,19 @@ def write_tiny_model(
     return out
 
 
-def build_tiny_pair(out_dir: Path, *, seed: int = 0, draft_noise: float = 1.0) -> ModelPair:
-    """A tiny target and a draft equal to it but for noise of scale ``draft_noise`` on the head."""
+def build_tiny_pair(
+    out_dir: Path, *, seed: int = 0, draft_noise: float = 1.0, space_prefix: bool = True
+) -> ModelPair:
+    """A tiny target and a draft equal to it but for noise of scale ``draft_noise`` on the head
+    (``space_prefix``: see write_tiny_model)."""
     if not (math.isfinite(draft_noise) and draft_noise >= 0):
         raise ValueError(f"draft_noise must be a finite number >= 0, got {draft_noise}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"tiny-{seed}.gguf"
-    draft = out_dir / f"tiny-{seed}-draft{draft_noise:g}.gguf"
+    kind = "" if space_prefix else "-nospace"
+    target = out_dir / f"tiny-{seed}{kind}.gguf"
+    draft = out_dir / f"tiny-{seed}{kind}-draft{draft_noise:g}.gguf"
     if not target.exists():
-        write_tiny_model(target, seed=seed)
+        write_tiny_model(target, seed=seed, space_prefix=space_prefix)
     if not draft.exists():
-        write_tiny_model(draft, seed=seed, output_noise=draft_noise)
+        write_tiny_model(draft, seed=seed, output_noise=draft_noise, space_prefix=space_prefix)
     return ModelPair(target, draft)

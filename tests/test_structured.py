@@ -65,6 +65,23 @@ def test_greedy_output_matches_its_schema_and_target_only(deep: sd.SpeculativeDe
         else:
             assert out.tokens == base.tokens
     assert outs[3].stats.n_drafted > 0  # drafts were made, and cut where the grammar forbids
+    # Keys and punctuation are forced (compact JSON): drafted without the model, all accepted.
+    for k in (3, "auto"):
+        s = outs[k].stats
+        assert s.drafted_by_grammar > 10 and s.accepted_by_grammar == s.drafted_by_grammar
+    assert base.stats.drafted_by_grammar == 0  # K = 0: the target alone, as asked
+    assert ", " in base.text and "\n" not in base.text
+
+
+def test_forced_tokens_speed_a_target_without_a_draft(deep_pair: models.ModelPair) -> None:
+    with sd.SpeculativeDecoder(deep_pair.target, n_ctx=1024) as alone:
+        plain = alone.generate(PROMPT, 160, n_draft=0, json_schema=USER)
+        forced = alone.generate(PROMPT, 160, json_schema=USER)
+        assert forced.tokens == plain.tokens
+        assert forced.stats.drafted_by_grammar > 10
+        assert forced.stats.n_target_passes < plain.stats.n_target_passes
+        alone._live().set_grammar_drafts(False)
+        assert alone.generate(PROMPT, 40, json_schema=USER).stats.drafted_by_grammar == 0
 
 
 def test_regex_and_lark_grammars_hold(deep: sd.SpeculativeDecoder) -> None:
@@ -123,44 +140,88 @@ def test_a_pathological_grammar_is_bounded(deep: sd.SpeculativeDecoder) -> None:
 
 N = 20_000
 TINY_PROMPT = [1, 300, 270]
-TINY_REGEX = "[a-h ]{1,6}"
+# (the grammar, a regex of its prefixes)
+TINY_REGEX = ("[a-h ]{1,6}", "[a-h ]{0,6}")
+# ... and one that forces " abc" after its first letters: drafted as the grammar's forced tokens.
+FORCING_REGEX = (" abc[a-h]", "( (a(b(c[a-h]?)?)?)?)?")
 
 
-@pytest.fixture(scope="module")
-def near(tiny_dir: Path) -> Iterator[sd.SpeculativeDecoder]:
-    pair = models.build_tiny_pair(tiny_dir, seed=5, draft_noise=0.5)
+def _tiny(tiny_dir: Path, space_prefix: bool) -> Iterator[sd.SpeculativeDecoder]:
+    pair = models.build_tiny_pair(tiny_dir, seed=5, draft_noise=0.5, space_prefix=space_prefix)
     _load_llguidance()
     with sd.SpeculativeDecoder(pair.target, pair.draft, n_ctx=64, n_threads=1) as dec:
         yield dec
 
 
-def constrained_sample(dec: sd.SpeculativeDecoder, k: int, seed0: int) -> Counter[tuple[int, ...]]:
+@pytest.fixture(scope="module")
+def near(tiny_dir: Path) -> Iterator[sd.SpeculativeDecoder]:
+    """A tiny pair whose tokenizer puts a space before the text, as Llama's SentencePiece does
+    ("a" tokenizes as " a"): llguidance tokenizes forced bytes its own way there."""
+    yield from _tiny(tiny_dir, True)
+
+
+@pytest.fixture(scope="module")
+def near_exact(tiny_dir: Path) -> Iterator[sd.SpeculativeDecoder]:
+    """The same pair with a tokenizer that adds nothing: llguidance uses it for forced bytes."""
+    yield from _tiny(tiny_dir, False)
+
+
+def constrained_sample(
+    dec: sd.SpeculativeDecoder,
+    k: int,
+    seed0: int,
+    grammar: tuple[str, str] = TINY_REGEX,
+    n: int = N,
+) -> tuple[Counter[tuple[int, ...]], int]:
+    """The outputs' counts over N seeds, and how many tokens the grammar forced and drafted."""
     engine = dec._live()
+    regex, prefix = grammar
     counts: Counter[tuple[int, ...]] = Counter()
     text = set()
-    for i in range(N):
-        r = engine_request(
-            TINY_PROMPT, 3, seed0 + i, k, constraint_kind="regex", constraint=TINY_REGEX
-        )
+    forced = 0
+    for i in range(n):
+        r = engine_request(TINY_PROMPT, 3, seed0 + i, k, constraint_kind="regex", constraint=regex)
         out = engine.generate(r)
         counts[tuple(out["tokens"])] += 1
         text.add(out["text"])
-    assert all(re.fullmatch(TINY_REGEX, t) or re.fullmatch("[a-h ]*", t) for t in text)
-    return counts
+        forced += out["stats"]["drafted_by_grammar"]
+    # Three tokens may stop short of a whole match: each is a prefix of one.
+    assert all(re.fullmatch(prefix, t) for t in text), text
+    return counts, forced
 
 
 def test_sampling_under_a_grammar_keeps_the_targets_restricted_distribution(
     near: sd.SpeculativeDecoder,
 ) -> None:
-    base = constrained_sample(near, 0, 10_000_000)
-    spec = constrained_sample(near, 2, 20_000_000)
+    base, _ = constrained_sample(near, 0, 10_000_000)
+    spec, _ = constrained_sample(near, 2, 20_000_000)
     for n in (1, 2, 3):
         p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
         assert p > 1e-3, f"first {n} tokens differ from target-only under the grammar (p={p:.2e})"
     testing.set_wrong_residual(True)
     try:
-        wrong = constrained_sample(near, 2, 20_000_000)
+        wrong, _ = constrained_sample(near, 2, 20_000_000)
     finally:
         testing.set_wrong_residual(False)
     p = homogeneity_pvalue(first_tokens(base, 1), first_tokens(wrong, 1))
     assert p < 1e-6, f"a wrong residual under the grammar went unnoticed (p={p:.2e})"
+
+
+def test_forced_tokens_drafted_keep_the_distribution(near_exact: sd.SpeculativeDecoder) -> None:
+    """The tokens a grammar forces are drafted and the output keeps the target's distribution.
+    (llguidance allows only the canonical tokens of forced bytes, so such a draft is accepted
+    with certainty: the point-mass rule's p(x) is 1 there.)"""
+    n = N // 2
+    base, _ = constrained_sample(near_exact, 0, 10_000_000, FORCING_REGEX, n)
+    spec, forced = constrained_sample(near_exact, 2, 20_000_000, FORCING_REGEX, n)
+    assert forced > n // 2
+    for k in (1, 2, 3):
+        p = homogeneity_pvalue(first_tokens(base, k), first_tokens(spec, k))
+        assert p > 1e-3, f"first {k} tokens differ from target-only (p={p:.2e})"
+
+
+def test_a_space_prefix_tokenizer_does_not_break_forced_bytes(near: sd.SpeculativeDecoder) -> None:
+    """Llama's SentencePiece adds a space to what it tokenizes: llguidance must not be handed
+    that tokenizer for forced bytes (it then refused tokens its own mask allowed)."""
+    counts, _ = constrained_sample(near, 2, 30_000_000, FORCING_REGEX, 300)
+    assert sum(counts.values()) == 300
