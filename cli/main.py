@@ -142,6 +142,13 @@ def chat_template_option(envvar: str | None = None) -> Callable[[F], F]:
     )
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.UsageError(f"cannot read {path}: {e}") from None
+
+
 def _chat_template_value(value: str | None) -> str | None:
     """The template's text when VALUE is a file, else VALUE (a name, checked by the decoder)."""
     if value is None or not Path(value).is_file():
@@ -281,6 +288,19 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 @chat_template_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming.")
 @click.option(
+    "--json-schema",
+    "json_schema_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The output is JSON matching the schema in this file.",
+)
+@click.option(
+    "--grammar",
+    "grammar_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The output matches the Lark grammar in this file (llguidance's syntax).",
+)
+@click.option("--regex", default=None, help="The output matches this regular expression.")
+@click.option(
     "--recalibrate",
     is_flag=True,
     help="With -k auto: measure this machine's decode costs afresh instead of using the stored ones.",
@@ -313,6 +333,9 @@ def run(
     chat: bool,
     chat_template: str | None,
     as_json: bool,
+    json_schema_file: Path | None,
+    grammar_file: Path | None,
+    regex: str | None,
     recalibrate: bool,
     verbose: bool,
 ) -> None:
@@ -371,6 +394,9 @@ def run(
             seed=seed,
             stop=list(stop),
             draft_p_min=draft_p_min,
+            json_schema=None if json_schema_file is None else _read_text(json_schema_file),
+            grammar=None if grammar_file is None else _read_text(grammar_file),
+            regex=regex,
             on_text=None if as_json else echo,
         )
         calibration = _calibration_note(sd.policy_state()) if sd.n_draft == "auto" else None

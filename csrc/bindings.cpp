@@ -262,6 +262,9 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("constraint_kind", &GenerateRequest::constraint_kind)
         .def_readwrite("constraint", &GenerateRequest::constraint)
         .def_readwrite("logprobs", &GenerateRequest::logprobs)
+        .def_readwrite("logit_bias", &GenerateRequest::logit_bias)
+        .def_readwrite("presence_penalty", &GenerateRequest::presence_penalty)
+        .def_readwrite("frequency_penalty", &GenerateRequest::frequency_penalty)
         .def_property(
             "draft_rule",
             [](const GenerateRequest& r) { return std::string(draft_rule_name(r.draft_rule)); },

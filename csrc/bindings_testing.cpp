@@ -62,6 +62,9 @@ void bind_testing(py::module_ m) {
         py::arg("verify"), py::arg("draft"), py::arg("decodes"),
         "The verify points after the (rows, seconds) decodes; see BatchCosts::observe_verify.");
     m.def(
+        "set_stale_penalties", [](bool on) { stale_penalties_for_tests.store(on); }, py::arg("on"),
+        "Test builds only: penalties that miss the step's own verdicts.");
+    m.def(
         "set_wrong_residual", [](bool on) { wrong_residual_for_tests.store(on); }, py::arg("on"),
         "While on, a rejected draft resamples from p instead of norm(max(0, p - q)): a wrong "
         "rule, for the distribution tests to show that they catch it.");

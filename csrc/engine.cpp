@@ -198,6 +198,15 @@ void Engine::check_request(const GenerateRequest& request) const {
         throw std::invalid_argument("timeout must be a finite number of seconds >= 0 (0: none)");
     for (const auto& s : request.stop)
         if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
+    for (const auto& [token, bias] : request.logit_bias) {
+        check_tokens({token});
+        if (!(bias >= -100.0f && bias <= 100.0f))
+            throw std::invalid_argument("logit_bias values must be in [-100, 100]");
+    }
+    for (float penalty : {request.presence_penalty, request.frequency_penalty})
+        if (!(penalty >= -2.0f && penalty <= 2.0f))
+            throw std::invalid_argument(
+                "presence_penalty and frequency_penalty must be in [-2, 2]");
     if (request.logprobs < -1 || request.logprobs > kMaxTopLogprobs)
         throw std::invalid_argument("logprobs must be -1 (none) or in [0, " +
                                     std::to_string(kMaxTopLogprobs) + "], got " +

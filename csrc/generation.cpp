@@ -9,6 +9,7 @@ namespace specdec {
 
 #ifdef SPECDEC_TEST_HOOKS
 std::atomic<bool> wrong_residual_for_tests{false};
+std::atomic<bool> stale_penalties_for_tests{false};
 #endif
 
 const char* finish_reason_name(FinishReason reason) {
@@ -49,6 +50,7 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
         stats().fallback_reason = "short request";
     }
     drafts_with_model_ = parts_.drafter != nullptr && (adaptive_ || n_draft_ > 0);
+    if (penalized()) token_counts_.assign(static_cast<size_t>(parts_.target.n_vocab()), 0);
 }
 
 void Generation::begin() {
@@ -269,6 +271,23 @@ void Generation::drafted(double seconds) {
     stats().t_draft += t_draft_step_;
 }
 
+void Generation::count_verdict(llama_token token) {
+    if (!penalized()) return;
+    if (token_counts_[static_cast<size_t>(token)]++ == 0) counted_.push_back(token);
+}
+
+void Generation::apply_penalties(float* logits) const {
+    for (llama_token t : counted_) {
+        int n = token_counts_[static_cast<size_t>(t)];
+#ifdef SPECDEC_TEST_HOOKS
+        if (stale_penalties_for_tests.load())
+            n -= static_cast<int>(std::count(step_tokens_.begin(), step_tokens_.end(), t));
+#endif
+        if (n > 0)
+            logits[t] -= req_.presence_penalty + req_.frequency_penalty * static_cast<float>(n);
+    }
+}
+
 void Generation::advance_constraint(llama_token token) {
     // An end-of-generation token ends the request: a finished grammar allows it, and has no
     // state after it to move to.
@@ -306,8 +325,10 @@ const float* Generation::target_logits(size_t row) {
             "the target model " + parts_.target.path() +
             " produced non-finite logits (NaN or Inf) for the token at position " +
             std::to_string(base_ + row) + ": the model file or the backend is broken");
-    // The grammar's place is after the verdicts of the rows before this one (accept() reads the
-    // rows in order and hands each verdict to the grammar).
+    for (const auto& [token, bias] : req_.logit_bias) logits[token] += bias;
+    // Penalties and the grammar's place are after the verdicts of the rows before this one
+    // (accept() reads the rows in order and hands each verdict to both).
+    apply_penalties(logits);
     if (constraint_) constraint_->mask(logits);
     return logits;
 }
@@ -330,12 +351,14 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
         step_tokens_.push_back(verdict);
         record_logprob(i, verdict);
         advance_constraint(verdict);
+        count_verdict(verdict);
         if (verdict != x) break;
     }
     if (i == k) {
         step_tokens_.push_back(target_token(k));
         record_logprob(k, step_tokens_.back());
         advance_constraint(step_tokens_.back());
+        count_verdict(step_tokens_.back());
     }
     const auto n_accepted = static_cast<int>(i);
     stats().count_acceptance(n_accepted);

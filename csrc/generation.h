@@ -66,6 +66,12 @@ struct GenerateRequest {
     // -1: none; n >= 0: each emitted token's log-probability under the target (masked by the
     // grammar, temperature 1) and its n most likely alternatives', n <= kMaxTopLogprobs.
     int logprobs = -1;
+    // Added to the target's logits before anything else (OpenAI's logit_bias).
+    std::vector<std::pair<llama_token, float>> logit_bias;
+    // OpenAI's penalties: each token's logit lowers by presence_penalty once it has been
+    // generated, and by frequency_penalty times how often (the prompt does not count).
+    float presence_penalty = 0.0f;
+    float frequency_penalty = 0.0f;
 };
 
 constexpr int kMaxTopLogprobs = 20;
@@ -74,6 +80,9 @@ constexpr int kMaxTopLogprobs = 20;
 // Test builds only: on rejection resample from p instead of norm(max(0, p - q)). A deliberately
 // wrong rule, so the distribution tests can show that they catch it.
 extern std::atomic<bool> wrong_residual_for_tests;
+// Test builds only: penalties count committed tokens alone, not the verdicts of the step so far
+// (the bug the penalty distribution test must catch).
+extern std::atomic<bool> stale_penalties_for_tests;
 #endif
 
 // Why a generation ended. kNone: it has not.
@@ -203,6 +212,8 @@ class Generation {
     void keep_valid_draft();
     // The grammar moves past a committed token.
     void advance_constraint(llama_token token);
+    // The token counts the penalties read move past a verdict.
+    void count_verdict(llama_token token);
     // Appends [last, d1..dK] to the target's batch, logits on every row.
     void add_verify_rows(Batch& batch);
     // Reads this sequence's rows of the target decode: accepted prefix plus one token of the
@@ -235,6 +246,10 @@ class Generation {
     void drop_drafting(const std::string& why);
     void forget_draft();
     const float* target_logits(size_t row);
+    void apply_penalties(float* logits) const;
+    bool penalized() const {
+        return req_.presence_penalty != 0.0f || req_.frequency_penalty != 0.0f;
+    }
     const Distribution& target_distribution(size_t row);
     llama_token greedy_verdict(size_t row);
     llama_token sampled_verdict(size_t row, llama_token x);
@@ -268,6 +283,10 @@ class Generation {
     int cap_ = 0;                             // the most this step may draft
     bool falling_back_ = false;               // this step's policy chose target-only (and why)
     std::unique_ptr<Constraint> constraint_;  // null: no grammar
+    // Penalties: how often each token has been generated (verdicts of this step included), and
+    // which tokens have, so that applying them touches those alone.
+    std::vector<int> token_counts_;
+    std::vector<llama_token> counted_;
     std::string fallback_why_;
     size_t base_ = 0;    // position of the first draft token
     int first_row_ = 0;  // this sequence's first row in the target's batch

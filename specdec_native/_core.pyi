@@ -35,6 +35,9 @@ class Request:
     cancel: CancelFlag | None
     constraint_kind: str  # "" | "json_schema" | "json_object" | "lark" | "regex"
     constraint: str
+    logit_bias: list[tuple[int, float]]
+    presence_penalty: float
+    frequency_penalty: float
     logprobs: int  # -1: none; n: the token's and its n most likely alternatives'
     def __init__(self) -> None: ...
 

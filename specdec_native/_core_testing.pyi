@@ -2,6 +2,7 @@
 (csrc/bindings_testing.cpp, built with SPECDEC_TEST_HOOKS). Not API."""
 
 def set_wrong_residual(on: bool) -> None: ...
+def set_stale_penalties(on: bool) -> None: ...
 def plan_batch(
     expected: list[list[float]],
     caps: list[int],

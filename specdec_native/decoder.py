@@ -182,8 +182,9 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's log-probability under the target at its position (temperature 1, masked by the
-    grammar when there is one), and the likeliest tokens' there, most likely first."""
+    """A token's log-probability under the target at its position (temperature 1, after
+    logit_bias and penalties, masked by the grammar), and the likeliest tokens' there, most
+    likely first."""
 
     token: int
     logprob: float
@@ -432,6 +433,19 @@ def _check_constraint(kind: Any, text: Any) -> tuple[str, str]:
     return (kind, text)
 
 
+def _check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    """{token: bias} (or (token, bias) pairs) as pairs; the engine checks the ranges."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(t, b) for t, b in items]
+    except (TypeError, ValueError):
+        raise ArgumentTypeError("logit_bias must be a dict of token id: bias") from None
+    return tuple(
+        (_check_int("logit_bias token", t, 0), _check_float("logit_bias value", b))
+        for t, b in pairs
+    )
+
+
 def _load_llguidance() -> None:
     """llguidance's C API for the engine, from the installed wheel (once)."""
     try:
@@ -465,6 +479,9 @@ class GenerationSettings:
     # A grammar the output must match: (kind, text), kind a key of CONSTRAINT_ARGUMENTS.
     constraint: tuple[str, str] | None = None
     logprobs: int | None = None  # None: none; n: each token's and its n likeliest alternatives'
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def checked(cls, **given: Any) -> GenerationSettings:
@@ -486,6 +503,9 @@ class GenerationSettings:
             logprobs=None
             if d["logprobs"] is None
             else _check_int("logprobs", d["logprobs"], 0, MAX_TOP_LOGPROBS),
+            logit_bias=_check_logit_bias(d["logit_bias"]),
+            presence_penalty=_check_float("presence_penalty", d["presence_penalty"]),
+            frequency_penalty=_check_float("frequency_penalty", d["frequency_penalty"]),
             max_tokens=_check_int("max_tokens", d["max_tokens"]),
             temperature=_check_float("temperature", d["temperature"]),
             top_k=_check_int("top_k", d["top_k"]),
@@ -533,6 +553,9 @@ class GenerationSettings:
         request.timeout = self._seconds_left()
         request.cancel = cancel
         request.logprobs = -1 if self.logprobs is None else self.logprobs
+        request.logit_bias = list(self.logit_bias)
+        request.presence_penalty = self.presence_penalty
+        request.frequency_penalty = self.frequency_penalty
         if self.constraint is not None:
             _load_llguidance()
             request.constraint_kind, request.constraint = self.constraint
@@ -872,6 +895,9 @@ class SpeculativeDecoder:
         regex: str | None = None,
         json_object: bool = False,
         logprobs: Integer | None = None,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
@@ -905,8 +931,14 @@ class SpeculativeDecoder:
         not compile raises ValueError naming the problem; output the grammar could not finish
         within ``max_tokens`` ends with finish_reason "length".
         ``logprobs=n`` (0-20) fills ``result.logprobs``: each token's log-probability under the
-        target at its position (temperature 1, masked by the grammar) and the n likeliest
+        target at its position (temperature 1, after logit_bias and penalties, masked by the
+        grammar) and the n likeliest
         tokens' there, read from the verify pass that chose it (no extra decode).
+        ``logit_bias`` ({token id: -100..100}) is added to the target's logits;
+        ``presence_penalty`` and ``frequency_penalty`` (-2..2, OpenAI's) lower a token's logit
+        once it has been generated and by how often (the prompt does not count). They change the
+        target's distribution, which speculation keeps exactly: each verified position is
+        penalised by the tokens before it, drafted ones included.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(
@@ -924,6 +956,9 @@ class SpeculativeDecoder:
             deadline=deadline,
             constraint=constraint_of(json_schema, grammar, regex, json_object),
             logprobs=logprobs,
+            logit_bias=logit_bias or {},
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
         )
         return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)
 

@@ -28,6 +28,7 @@ MAX_STOP_CHARS = 512
 MAX_SPECULATIVE = 64
 MAX_INT = 1 << 30
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 # Fields of the OpenAI API that would change what is generated and that this server does not
@@ -35,9 +36,7 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "repeat_penalty": lambda v: v not in (None, 1, 1.0),  # llama.cpp's; OpenAI's are supported
     "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v),
     "best_of": lambda v: v not in (None, 1),
@@ -143,6 +142,11 @@ class _Generation(_Body):
     json_schema: Union[dict[str, Any], bool, None] = Field(
         None, description="llama-server's: the output matches this JSON schema"
     )
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description="token id (as a string): a bias in [-100, 100] added to its logit"
+    )
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
@@ -207,6 +211,26 @@ class _Generation(_Body):
                 raise BodyError("give response_format or json_schema, not both", "json_schema")
             schema = self.json_schema
         return schema  # type: ignore[no-any-return]
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_biases(cls, bias: Any) -> Any:
+        if isinstance(bias, dict):
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"takes at most {MAX_LOGIT_BIAS} tokens")
+            for key, value in bias.items():
+                if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                    raise ValueError(f"keys are token ids, got {key!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"values are numbers, got {value!r}")
+                if not -100 <= value <= 100:
+                    raise ValueError(f"values are in [-100, 100], got {value}")
+            return {k: float(v) for k, v in bias.items()}
+        return bias
+
+    @property
+    def token_biases(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def token_limit(self) -> int | None:

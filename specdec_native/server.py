@@ -235,6 +235,9 @@ def _job(
         ),
         constraint=body.constraint,
         logprobs=body.n_logprobs,
+        logit_bias=body.token_biases,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, generation, body.stream, include_usage, tools)

@@ -42,6 +42,32 @@ def test_run_json(deep_pair: models.ModelPair) -> None:
     assert out["finish_reason"] == "length"
 
 
+def test_run_with_a_json_schema_a_grammar_or_a_regex(
+    deep_pair: models.ModelPair, tmp_path: Path
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "big": {"type": "boolean"}},
+        "required": ["city", "big"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.lark").write_text('start: "Answer: " ("yes" | "no")')
+    pair = (deep_pair.target, "--draft", deep_pair.draft)
+    r = run_cli("run", *pair, "-p", "A city:", "-n", "40", "--json-schema", tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout.strip())) == {"city", "big"}
+    r = run_cli("run", *pair, "-p", "Q:", "-n", "8", "--grammar", tmp_path / "g.lark")
+    assert r.returncode == 0 and r.stdout.strip() in ("Answer: yes", "Answer: no"), r.stdout
+    r = run_cli("run", *pair, "-p", "Year:", "-n", "8", "--regex", "[0-9]{4}")
+    assert r.returncode == 0 and re.fullmatch("[0-9]{4}", r.stdout.strip()), r.stdout
+    (tmp_path / "bad.json").write_text('{"type": 7}')
+    r = run_cli("run", *pair, "-p", "x", "--json-schema", tmp_path / "bad.json")
+    assert_one_line_error(r, "json_schema")
+    r = run_cli("run", *pair, "-p", "x", "--regex", "[0-9", "--grammar", tmp_path / "g.lark")
+    assert_one_line_error(r, "at most one")
+
+
 def test_run_streams_text_and_prints_stats(deep_pair: models.ModelPair) -> None:
     r = run_cli(
         "run",

@@ -165,3 +165,26 @@ def test_the_test_catches_a_wrong_residual(far: sd.SpeculativeDecoder) -> None:
         testing.set_wrong_residual(False)
     p = homogeneity_pvalue(first_tokens(base, 1), first_tokens(wrong, 1))
     assert p < 1e-6, f"resampling from p after a rejection went unnoticed (p={p:.2e})"
+
+
+# Negative penalties favour repeats strongly, so a rule that missed a step's own verdicts (the
+# third token's counts without the second, drafted in the same step) would show at once.
+PENALTIES = {"presence_penalty": -2.0, "frequency_penalty": -1.0, "logit_bias": [(270, 2.0)]}
+
+
+def test_penalties_and_logit_bias_keep_the_target_distribution(
+    near: sd.SpeculativeDecoder,
+) -> None:
+    base, _ = sample(near, 0, 80_000_000, **PENALTIES)
+    spec, rate = sample(near, 2, 90_000_000, **PENALTIES)
+    assert 0.05 < rate < 0.95
+    for n in (1, 2, 3):
+        p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
+        assert p > 1e-3, f"first {n} tokens differ from target-only under penalties (p={p:.2e})"
+    testing.set_stale_penalties(True)
+    try:
+        stale, _ = sample(near, 2, 90_000_000, **PENALTIES)
+    finally:
+        testing.set_stale_penalties(False)
+    p = homogeneity_pvalue(first_tokens(base, 3), first_tokens(stale, 3))
+    assert p < 1e-6, f"penalties blind to the step's own verdicts went unnoticed (p={p:.2e})"

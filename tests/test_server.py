@@ -694,3 +694,40 @@ def test_logprobs_in_openais_shapes(client: openai.OpenAI) -> None:
     assert "".join(lp.tokens) == c.choices[0].text
     assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+def test_penalties_and_logit_bias(
+    chat_server: Server, client: openai.OpenAI, smollm2_q40: Path
+) -> None:
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(smollm2_q40), vocab_only=True, verbose=False)
+
+    def first_token(**extra: object) -> str:
+        r = client.completions.create(
+            model="smol", prompt="The capital of France is", max_tokens=1, temperature=0,
+            logprobs=1, extra_body=extra,
+        )  # fmt: skip
+        lp = r.choices[0].logprobs
+        assert lp is not None and lp.tokens
+        return lp.tokens[0]
+
+    def token_id(text: str) -> int:
+        ids = vocab.tokenize(text.encode(), add_bos=False, special=False)
+        assert len(ids) == 1, ids
+        return int(ids[0])
+
+    plain = first_token()
+    assert first_token(logit_bias={str(token_id(plain)): -100}) != plain
+    assert first_token(logit_bias={str(token_id(" Rome")): 100}) == " Rome"
+    r = client.completions.create(
+        model="smol", prompt="The capital of France is", max_tokens=6, temperature=0,
+        frequency_penalty=2.0, presence_penalty=2.0,
+    )  # fmt: skip
+    assert r.choices[0].text
+    for bad in ({"logit_bias": {"abc": 1}}, {"logit_bias": {"1": 101}},
+                {"logit_bias": {"999999999": 1}}, {"presence_penalty": 3}):  # fmt: skip
+        resp = httpx.post(
+            chat_server.url + "/v1/completions", json={"prompt": "x", **bad}, timeout=60
+        )
+        assert resp.status_code == 400, (bad, resp.text)
