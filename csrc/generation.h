@@ -63,8 +63,9 @@ struct GenerateRequest {
     // A grammar the output must match (csrc/constraint.h): its kind ("" for none) and text.
     std::string constraint_kind;
     std::string constraint;
-    // -1: none; n >= 0: each emitted token's log-probability under the target (masked by the
-    // grammar, temperature 1) and its n most likely alternatives', n <= kMaxTopLogprobs.
+    // -1: none; n >= 0: each emitted token's log-probability under the target (temperature 1,
+    // after logit_bias and penalties, masked by the grammar) and its n most likely
+    // alternatives', n <= kMaxTopLogprobs.
     int logprobs = -1;
     // Added to the target's logits before anything else (OpenAI's logit_bias).
     std::vector<std::pair<llama_token, float>> logit_bias;

@@ -98,7 +98,7 @@ def tool_format(
 ) -> ToolFormat | None:
     """The format a request's `tools` and `tool_choice` ask for; None where no tool may be
     called (no tools, or tool_choice "none")."""
-    functions = [_function(i, t) for i, t in enumerate(tools or [])]
+    functions = [_function(t) for t in tools or []]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise ToolError("tools: two tools have the same name")
@@ -112,7 +112,7 @@ def tool_format(
     return ToolFormat(functions, choice, parallel is not False, response_schema)
 
 
-def _function(index: int, tool: Any) -> dict[str, Any]:
+def _function(tool: Any) -> dict[str, Any]:
     function = tool.function
     parameters = function.parameters
     if parameters is None or parameters == {}:
