@@ -52,6 +52,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def llama_cpp_tools() -> str:
+    """The directory of llama.cpp's own tools, built once by build_llama_cpp_tools.sh."""
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts/build_llama_cpp_tools.sh")],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
 def wait_ready(url: str, proc: subprocess.Popen[bytes], seconds: float = 600) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -116,12 +126,7 @@ def main() -> None:
     args = parse_pair(ap)
     levels = [int(c) for c in args.concurrency.split(",")]
     slots = str(max(levels))
-    tools = subprocess.run(
-        ["bash", str(ROOT / "scripts/build_llama_cpp_tools.sh")],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    tools = llama_cpp_tools()
     t = str(args.threads)
     specdec = [
         sys.executable,

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import jsonschema  # type: ignore[import-untyped]
 from bench_args import pair_parser, parse_pair
-from bench_server import free_port, wait_ready
+from bench_server import free_port, llama_cpp_tools, wait_ready
 
 import specdec_native as sd
 
@@ -199,12 +199,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, help="write every round's numbers here (JSON)")
     args = parse_pair(ap)
-    tools = subprocess.run(
-        ["bash", str(ROOT / "scripts/build_llama_cpp_tools.sh")],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    tools = llama_cpp_tools()
     t = str(args.threads)
     base = [f"{tools}/llama-server", "-m", str(args.target), "-c", "2048", "-t", t, "-np", "1"]
     with_draft = [*base, "-md", str(args.draft), "-td", t]
