@@ -47,6 +47,15 @@ def _os_error_message(e: OSError) -> str:
     return f"{e.strerror or e}{where}"
 
 
+def _caused_by_ctrl_c(e: BaseException) -> bool:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def user_errors(fn: F) -> F:
     """Turns every error a user can cause into one line on stderr and a nonzero exit; Ctrl-C
     exits 130, and a second Ctrl-C while exiting is ignored."""
@@ -57,7 +66,12 @@ def user_errors(fn: F) -> F:
             if not _stdout_is_open():
                 _silence_stdout()  # keep fd 1 from going to the next file opened
                 raise click.ClickException("standard output is closed")
-            import specdec_native as sd
+            try:
+                import specdec_native as sd
+            except ImportError as e:
+                if _caused_by_ctrl_c(e):  # a native module's init turns it into ImportError
+                    raise KeyboardInterrupt from None
+                raise
 
             try:
                 result = fn(*args, **kwargs)

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -534,6 +535,34 @@ def test_ctrl_c_while_starting_is_quiet(tiny_pair: models.ModelPair) -> None:
             f"after {delay} s: {err}"
         )
         assert proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err)
+
+
+def test_ctrl_c_inside_a_native_modules_init_is_an_interrupt(tiny_pair: models.ModelPair) -> None:
+    # A Ctrl-C that lands while pybind11 initialises _core reaches us as ImportError("initialization
+    # failed") caused by KeyboardInterrupt; a finder raises exactly that, the window being ~3 ms.
+    code = textwrap.dedent(
+        """
+        import sys
+        class Interrupted:
+            def find_spec(self, name, path=None, target=None):
+                if name == "specdec_native._core":
+                    try:
+                        raise KeyboardInterrupt
+                    except KeyboardInterrupt as e:
+                        raise ImportError("initialization failed") from e
+                return None
+        sys.meta_path.insert(0, Interrupted())
+        sys.argv = ["specdec-cli", "info", sys.argv[1]]
+        from cli.main import main
+        main()
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_pair.target)],
+        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip() == "interrupted"
 
 
 def test_run_chat_with_a_jinja_template_file(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
