@@ -57,17 +57,25 @@ class ToolFormat:
         called = self.functions
         if self.choice not in ("auto", "required"):
             called = [f for f in self.functions if f["name"] == self.choice]
+        defs: dict[str, Any] = {}
         calls = [
-            _object({"name": {"const": f["name"]}, "arguments": f["parameters"]}) for f in called
+            _object(
+                {
+                    "name": {"const": f["name"]},
+                    "arguments": _embedded(f["parameters"], f"tool{i}", defs),
+                }
+            )
+            for i, f in enumerate(called)
         ]
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             array["maxItems"] = 1
-        tool_calls = _object({"tool_calls": array})
-        if self.choice != "auto":
-            return tool_calls
-        answer = {"type": "string"} if self.response_schema is None else self.response_schema
-        return {"anyOf": [tool_calls, _object({"response": answer})]}
+        out = _object({"tool_calls": array})
+        if self.choice == "auto":
+            answer = self.response_schema
+            answer = {"type": "string"} if answer is None else _embedded(answer, "response", defs)
+            out = {"anyOf": [out, _object({"response": answer})]}
+        return {**out, "$defs": defs} if defs else out
 
     def instructions(self) -> str:
         """The system message's text that tells the model the tools and the format."""
@@ -79,6 +87,42 @@ class ToolFormat:
             'call tools, or {"response": <your answer>} to answer the user.'
         )
         return f"You can use these tools:\n{listed}\n{how}"
+
+
+def _embedded(schema: Any, name: str, defs: dict[str, Any]) -> Any:
+    """`schema` for use inside the output's schema. One with local references ("#",
+    "#/$defs/X": pydantic writes them) moves to the root's $defs under `name`, its references
+    rewritten to point inside it, since "#" now means the output's root."""
+    if not _has_local_ref(schema):
+        return schema
+    defs[name] = _rebased(schema, f"#/$defs/{name}")
+    return {"$ref": f"#/$defs/{name}"}
+
+
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: left as they are
+
+
+def _has_local_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            return True
+        return any(_has_local_ref(v) for k, v in schema.items() if k not in _DATA_KEYWORDS)
+    if isinstance(schema, list):
+        return any(_has_local_ref(v) for v in schema)
+    return False
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    if isinstance(schema, dict):
+        out = {k: v if k in _DATA_KEYWORDS else _rebased(v, base) for k, v in schema.items()}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = base + ref[1:]
+        return out
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    return schema
 
 
 def _object(properties: dict[str, Any]) -> dict[str, Any]:

@@ -533,6 +533,57 @@ def test_a_tool_round_trip(client: openai.OpenAI) -> None:
     assert (r.choices[0].message.content or "").lstrip().startswith("{")
 
 
+class Place(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+
+
+class Trip(pydantic.BaseModel):
+    origin: Place
+    destination: Place
+
+
+class Plan(pydantic.BaseModel):
+    stops: list[Place] = pydantic.Field(max_length=3)
+
+
+def test_tools_and_answers_from_nested_pydantic_models(client: openai.OpenAI) -> None:
+    """Schemas with $defs (pydantic writes one per nested model) as a tool's parameters and as
+    the answer's format next to tools: the client's parse() reads both back into the models."""
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Book a trip from Paris to Rome."}
+    ]
+    tools = [openai.pydantic_function_tool(Trip, name="book_trip")]
+    r = client.chat.completions.parse(
+        model="smol",
+        messages=messages,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "book_trip"}},
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(isinstance(c.function.parsed_arguments, Trip) for c in calls)
+    planned = client.chat.completions.parse(
+        model="smol",
+        messages=messages,
+        tools=tools,
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        response_format=Plan,
+        max_tokens=160,
+        temperature=0,
+    )
+    message = planned.choices[0].message
+    assert planned.choices[0].finish_reason in ("tool_calls", "stop"), planned
+    if message.tool_calls:
+        assert isinstance(message.tool_calls[0].function.parsed_arguments, Trip)
+    else:
+        assert isinstance(message.parsed, Plan)
+
+
 def _streamed(client: openai.OpenAI, **request: object) -> tuple[str, list[dict[str, str]], str]:
     """A streamed chat's content, tool calls (accumulated from their deltas) and finish."""
     content, finish = "", ""

@@ -1,13 +1,44 @@
-"""The generic tool-call format read back as it streams: pure Python, no model."""
+"""The generic tool-call format: its schema, and read back as it streams (no model)."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema  # type: ignore[import-untyped]
 from hypothesis import example, given
 from hypothesis import strategies as st
+from llguidance import LLMatcher
 
-from specdec_native.tools import StreamedAnswer, read_output
+from specdec_native.tools import StreamedAnswer, ToolFormat, read_output
+
+
+def test_tool_schemas_keep_their_own_references() -> None:
+    # A recursive tree ("#" is the tool's own root), $defs, and a const that only looks like a
+    # reference: the output's schema compiles and means what each tool's schema meant.
+    tree = {
+        "type": "object",
+        "properties": {
+            "label": {"$ref": "#/$defs/Label"},
+            "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+            "kind": {"const": {"$ref": "#/not/a/schema"}},
+        },
+        "required": ["label", "kind"],
+        "$defs": {"Label": {"type": "string", "maxLength": 8}},
+    }
+    plain = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    functions = [{"name": "tree", "parameters": tree}, {"name": "plain", "parameters": plain}]
+    schema = ToolFormat(functions, "auto", True, tree).schema()
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema)) == ""
+    kind = {"$ref": "#/not/a/schema"}
+    good = {"label": "a", "kind": kind, "children": [{"label": "b", "kind": kind}]}
+    bad = {"label": "a", "kind": kind, "children": [{"label": "far too long", "kind": kind}]}
+    jsonschema.validate(good, tree)
+    valid = jsonschema.Draft202012Validator(schema).is_valid
+    for value, ok in ((good, True), (bad, False)):
+        assert valid({"tool_calls": [{"name": "tree", "arguments": value}]}) == ok
+        assert valid({"response": value}) == ok
+    jsonschema.validate({"tool_calls": [{"name": "plain", "arguments": {"n": 1}}]}, schema)
+    assert "$defs" not in ToolFormat(functions[1:], "required", True, None).schema()
 
 
 @given(
