@@ -761,6 +761,22 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     envvar="SPECDEC_GRACE",
     help="On SIGTERM, seconds running requests get to finish.",
 )
+@click.option(
+    "--ngram",
+    "ngram_with_model",
+    is_flag=True,
+    envvar="SPECDEC_NGRAM",
+    help="With a draft model: copy n-gram matches too, where `auto` expects them to pay more.",
+)
+@click.option(
+    "--ngram-index-mb",
+    default=64.0,
+    show_default=True,
+    type=float,
+    envvar="SPECDEC_NGRAM_INDEX_MB",
+    help="With n-gram drafting: MiB of one index over earlier requests' outputs, which later "
+    "requests copy from (0: each request copies its own text only).",
+)
 @chat_template_option(envvar="SPECDEC_CHAT_TEMPLATE")
 @click.option(
     "--log-format",
@@ -786,13 +802,15 @@ def serve(
     max_queue: int,
     request_timeout: float | None,
     grace: float,
+    ngram_with_model: bool,
+    ngram_index_mb: float,
     chat_template: str | None,
     log_format: str,
 ) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair."""
     from specdec_native import SpeculativeDecoder, models
-    from specdec_native.decoder import MAX_PARALLEL, ChatTemplate
+    from specdec_native.decoder import MAX_NGRAM_INDEX_MB, MAX_PARALLEL, ChatTemplate
 
     try:
         import uvicorn
@@ -810,6 +828,8 @@ def serve(
         raise click.ClickException(f"--parallel must be in [1, {MAX_PARALLEL}], got {n_parallel}")
     if max_queue < 0:
         raise click.ClickException("--max-queue must be >= 0")
+    if not (math.isfinite(ngram_index_mb) and 0 <= ngram_index_mb <= MAX_NGRAM_INDEX_MB):
+        raise click.ClickException(f"--ngram-index-mb must be in [0, {MAX_NGRAM_INDEX_MB}]")
     if request_timeout is not None and not (math.isfinite(request_timeout) and request_timeout > 0):
         raise click.ClickException("--request-timeout must be a number of seconds > 0")
     if not (math.isfinite(grace) and grace >= 0):
@@ -839,7 +859,8 @@ def serve(
         return SpeculativeDecoder(
             target,
             draft_arg,
-            ngram=ngram,
+            ngram=ngram or ngram_with_model,
+            ngram_index_mb=ngram_index_mb,
             n_draft=settings.n_draft,
             n_ctx=n_ctx,
             n_threads=n_threads,

@@ -277,7 +277,7 @@ PYBIND11_MODULE(_core, m) {
                          int n_draft, int n_ctx, int n_batch, int n_threads, int n_gpu_layers,
                          int draft_n_gpu_layers, bool ngram, int ngram_min, int ngram_max,
                          bool verbose, uintptr_t target_model, uintptr_t draft_model,
-                         int n_parallel) {
+                         int n_parallel, size_t ngram_index_bytes) {
                  EngineConfig c;
                  c.target = model_params(target, n_gpu_layers, n_ctx, n_batch, n_threads);
                  c.target.borrowed = reinterpret_cast<llama_model*>(target_model);
@@ -289,6 +289,7 @@ PYBIND11_MODULE(_core, m) {
                  c.ngram = ngram;
                  c.ngram_min = ngram_min;
                  c.ngram_max = ngram_max;
+                 c.ngram_index_bytes = ngram_index_bytes;
                  c.verbose = verbose;
                  c.n_parallel = n_parallel;
                  py::gil_scoped_release release;
@@ -299,7 +300,7 @@ PYBIND11_MODULE(_core, m) {
              py::arg("n_gpu_layers") = 0, py::arg("draft_n_gpu_layers") = 0,
              py::arg("ngram") = false, py::arg("ngram_min") = 1, py::arg("ngram_max") = 4,
              py::arg("verbose") = false, py::arg("target_model") = 0, py::arg("draft_model") = 0,
-             py::arg("n_parallel") = 1)
+             py::arg("n_parallel") = 1, py::arg("ngram_index_bytes") = 0)
         .def(
             "generate",
             [](Engine& e, GenerateRequest request, const py::object& on_text,
@@ -408,6 +409,8 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("has_draft", [](const Engine& e) { return e.draft() != nullptr; })
         .def_property_readonly("n_parallel", &Engine::n_parallel)
         .def_property_readonly("n_threads_now", &Engine::n_threads_now)
+        .def_property_readonly("ngram_index_tokens", &Engine::ngram_index_tokens)
+        .def_property_readonly("ngram_index_bytes", &Engine::ngram_index_bytes)
         .def_property_readonly("running_on_this_thread", &Engine::running_on_this_thread)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 

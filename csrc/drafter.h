@@ -11,7 +11,8 @@
 namespace specdec {
 
 // kGrammar: the tokens a request's grammar forces next (a point mass each, like an n-gram's).
-enum class DraftSource { kModel = 0, kNgram = 1, kGrammar = 2 };
+// kIndex: a copy from earlier requests' outputs (SharedNgramIndex); kNgram copies its own text.
+enum class DraftSource { kModel = 0, kNgram = 1, kGrammar = 2, kIndex = 3 };
 
 struct Draft {
     DraftSource source = DraftSource::kModel;

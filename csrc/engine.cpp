@@ -132,6 +132,9 @@ Engine::Engine(const EngineConfig& config)
         drafter_ = std::make_unique<ModelDrafter>(
             *draft_, kMaxDraft, [this](Model& m, const Batch& b) { decode(m, b); });
     }
+    if (config.ngram && config.ngram_index_bytes > 0)
+        ngram_index_ = std::make_unique<SharedNgramIndex>(config.ngram_min, config.ngram_max,
+                                                          config.ngram_index_bytes);
     slots_.resize(static_cast<size_t>(config.n_parallel));
     last_used_.assign(static_cast<size_t>(config.n_parallel), 0);
 }
@@ -157,9 +160,10 @@ void Engine::stop_scheduler() {
 }
 
 EngineParts Engine::parts() {
-    return EngineParts{*target_,        draft_.get(),      drafter_.get(),
-                       config_.ngram,   config_.ngram_min, config_.ngram_max,
-                       config_.n_draft, kMaxDraft,         grammar_drafts_.load()};
+    return EngineParts{
+        *target_,          draft_.get(),          drafter_.get(),     config_.ngram,
+        config_.ngram_min, config_.ngram_max,     ngram_index_.get(), config_.n_draft,
+        kMaxDraft,         grammar_drafts_.load()};
 }
 
 bool Engine::running_on_this_thread() const {
@@ -568,6 +572,11 @@ void Engine::retire(int seq, std::exception_ptr error) {
         }
         if (g->ended_normally() && g->policy().costs_disagree() && !any_active())
             recalibrate_after(*g);
+    }
+    if (ngram_index_ && !error) {
+        ngram_index_->add(g->prompt(), g->output());
+        index_tokens_.store(ngram_index_->n_tokens());
+        index_bytes_.store(ngram_index_->bytes());
     }
     g->publish(error);
 }

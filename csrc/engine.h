@@ -34,6 +34,9 @@ struct EngineConfig {
     bool ngram = false;  // draft from n-gram matches in the context (before the draft model)
     int ngram_min = 1;
     int ngram_max = 4;
+    // With ngram: bytes of one index over every request's output that later requests copy
+    // from (0: each request copies its own text only).
+    size_t ngram_index_bytes = 0;
     int n_parallel = 1;  // requests generating at once, each in its own slot
     bool verbose = false;
 };
@@ -104,6 +107,9 @@ class Engine {
     // Threads the decodes use now: fewer than configured while other processes keep cores busy
     // (unless the thread count was given).
     int n_threads_now() const { return threads_now_.load(); }
+    // The shared n-gram index's size now: its tokens and its estimated bytes (0 without one).
+    size_t ngram_index_tokens() const { return index_tokens_.load(); }
+    size_t ngram_index_bytes() const { return index_bytes_.load(); }
 
     // Throws std::invalid_argument for a token outside the vocabulary.
     void check_tokens(const std::vector<llama_token>& tokens) const;
@@ -194,6 +200,8 @@ class Engine {
     std::unique_ptr<Model> target_;
     std::unique_ptr<Model> draft_;
     std::unique_ptr<ModelDrafter> drafter_;
+    std::unique_ptr<SharedNgramIndex> ngram_index_;  // scheduler thread (null: none)
+    std::atomic<size_t> index_tokens_{0}, index_bytes_{0};
     Batch target_batch_;
 
     // policy_, batch_costs_ and rate_check_, read from any thread

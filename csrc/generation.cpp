@@ -150,21 +150,23 @@ int Generation::plan_cap() const {
     return model_cap(cap_);
 }
 
-// Under `auto`, an n-gram match is drafted when copying it is expected to commit tokens faster
+// Under `auto`, an n-gram match (in the request's own text or in the shared index, whichever
+// is expected to commit faster) is drafted when copying it is expected to commit tokens faster
 // than target-only and than the draft model's best K: each step uses the better proposal.
 bool Generation::choose_copy(int cap) {
     copying_ = false;
     if (!ngram_ || !policy_.calibrated() || cap <= 0) return false;
     match_ = ngram_->match(seq_);
-    if (!match_.found()) return false;
-    copy_.expected_tokens(match_.length, cap, copy_expected_);
-    int best = 0;
-    double best_rate = 1.0 / policy_.verify_cost(1);
-    for (int k = 1; k <= cap; ++k) {
-        const double rate = copy_expected_[static_cast<size_t>(k)] / policy_.verify_cost(k + 1);
-        if (rate > best_rate) {
+    from_index_ = false;
+    auto [best, best_rate] = best_copy(copy_, match_, cap);
+    if (parts_.index) {
+        const NgramMatch shared = parts_.index->match(seq_);
+        const auto [k, rate] = best_copy(parts_.index->copy_policy(), shared, cap);
+        if (k > 0 && rate > best_rate) {
             best = k;
             best_rate = rate;
+            match_ = shared;
+            from_index_ = true;
         }
     }
     if (best == 0) return false;
@@ -177,9 +179,24 @@ bool Generation::choose_copy(int cap) {
     return true;
 }
 
+std::pair<int, double> Generation::best_copy(const CopyPolicy& copy, NgramMatch m, int cap) {
+    int best = 0;
+    double best_rate = 1.0 / policy_.verify_cost(1);
+    if (!m.found()) return {best, best_rate};
+    copy.expected_tokens(m.length, cap, copy_expected_);
+    for (int k = 1; k <= cap; ++k) {
+        const double rate = copy_expected_[static_cast<size_t>(k)] / policy_.verify_cost(k + 1);
+        if (rate > best_rate) {
+            best = k;
+            best_rate = rate;
+        }
+    }
+    return {best, best_rate};
+}
+
 void Generation::expected_tokens(int cap, std::vector<double>& out) const {
     if (copying_)
-        copy_.expected_tokens(match_.length, cap, out);
+        copy_policy().expected_tokens(match_.length, cap, out);
     else
         policy_.expected_tokens(cap, out);
 }
@@ -221,10 +238,15 @@ bool Generation::draft_forced() {
 bool Generation::draft_by_ngram() {
     if (k_ == 0 || !ngram_ || (adaptive_ && !copying_)) return false;
     const auto start = Clock::now();
-    if (copying_)
+    if (copying_ && from_index_)
+        parts_.index->propose(match_, k_, draft_);
+    else if (copying_)
         NgramDrafter::propose(seq_, match_, k_, draft_);
     else
         ngram_->propose(seq_, k_, draft_);
+    // A fixed K copies from the request's own text first, then from earlier outputs.
+    if (draft_.tokens.empty() && !copying_ && parts_.index)
+        parts_.index->propose(parts_.index->match(seq_), k_, draft_);
     t_draft_step_ = seconds_since(start);
     return !draft_.tokens.empty();
 }
@@ -387,7 +409,7 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
         outcome.context = static_cast<int>(base_);
         if (!greedy()) outcome.accept_chance = &accept_chances_;
         if (copying_) {
-            copy_.observe(match_.length, outcome.k, n_accepted, outcome.accept_chance);
+            copy_policy().observe(match_.length, outcome.k, n_accepted, outcome.accept_chance);
             policy_.observe_verify_cost(outcome);
         } else {
             policy_.observe(outcome);

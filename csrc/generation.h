@@ -22,6 +22,7 @@
 #include "model.h"
 #include "model_drafter.h"
 #include "ngram_drafter.h"
+#include "ngram_index.h"
 #include "policy.h"
 #include "sampling.h"
 #include "stats.h"
@@ -137,6 +138,7 @@ struct EngineParts {
     ModelDrafter* drafter;  // null: no draft model
     bool ngram;             // draft from n-gram matches first
     int ngram_min, ngram_max;
+    SharedNgramIndex* index;  // earlier requests' outputs (null: each request's own text only)
     int default_n_draft;
     int max_draft;
     bool grammar_drafts;  // draft the tokens a grammar forces
@@ -228,6 +230,7 @@ class Generation {
     // Hands the result to the caller (or `error`, if set) and frees nothing else.
     void publish(std::exception_ptr error = nullptr);
     const std::vector<llama_token>& prompt() const { return req_.prompt; }
+    const std::vector<llama_token>& output() const { return result_.tokens; }
     CancelFlag* cancel_flag() const { return req_.cancel.get(); }
     void note_recalibrated() { result_.stats.recalibrated = true; }
     bool ended_normally() const {
@@ -243,6 +246,14 @@ class Generation {
     Stats& stats() { return result_.stats; }
     int draft_cap() const;
     bool choose_copy(int cap);
+    // The K that commits tokens fastest copying `m` under `copy` (0: target-only is faster), and
+    // its expected rate.
+    std::pair<int, double> best_copy(const CopyPolicy& copy, NgramMatch m, int cap);
+    // The policy of this step's copy: the request's own, or the shared index's.
+    CopyPolicy& copy_policy() { return from_index_ ? parts_.index->copy_policy() : copy_; }
+    const CopyPolicy& copy_policy() const {
+        return from_index_ ? parts_.index->copy_policy() : copy_;
+    }
     int model_cap(int cap) const;
     void drop_drafting(const std::string& why);
     void forget_draft();
@@ -271,6 +282,7 @@ class Generation {
     std::optional<NgramDrafter> ngram_;
     CopyPolicy copy_;
     NgramMatch match_;                   // this step's, when copying
+    bool from_index_ = false;            // match_ is in the shared index, not in seq_
     bool copying_ = false;               // this step drafts an n-gram copy chosen by copy_
     std::vector<double> copy_expected_;  // copy_'s expected tokens for K = 0..cap
     int n_draft_;

@@ -4,10 +4,8 @@
 #include <stdexcept>
 
 namespace specdec {
-namespace {
-
 uint64_t hash_tokens(const llama_token* tokens, int n) {
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the token ids
+    uint64_t h = 1469598103934665603ull;
     for (int i = 0; i < n; ++i) {
         h ^= static_cast<uint32_t>(tokens[i]);
         h *= 1099511628211ull;
@@ -15,7 +13,13 @@ uint64_t hash_tokens(const llama_token* tokens, int n) {
     return h;
 }
 
-}  // namespace
+int matched_length(const llama_token* a, long a_end, const llama_token* b, long b_end, int known) {
+    int length = known;
+    while (length < NgramDrafter::kMaxMatchLength && a_end - length - 1 >= 0 &&
+           b_end - length - 1 >= 0 && a[a_end - length - 1] == b[b_end - length - 1])
+        ++length;
+    return length;
+}
 
 NgramDrafter::NgramDrafter(int ngram_min, int ngram_max)
     : ngram_min_(ngram_min), ngram_max_(ngram_max) {
@@ -56,13 +60,8 @@ NgramMatch NgramDrafter::match(const std::vector<llama_token>& committed) {
         const long p = find_continuation(committed, n);
         if (p < 0) continue;
         // The key's length is a floor: the occurrence may match further back.
-        int length = n;
         const long end = static_cast<long>(committed.size());
-        while (length < kMaxMatchLength && p - length - 1 >= 0 &&
-               committed[static_cast<size_t>(p - length - 1)] ==
-                   committed[static_cast<size_t>(end - length - 1)])
-            ++length;
-        return {p, length};
+        return {p, matched_length(committed.data(), p, committed.data(), end, n)};
     }
     return {};
 }

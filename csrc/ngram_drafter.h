@@ -19,6 +19,12 @@ struct NgramMatch {
     bool found() const { return from >= 0; }
 };
 
+// FNV-1a over n token ids: the key of an n-gram.
+uint64_t hash_tokens(const llama_token* tokens, int n);
+// How many tokens before a[a_end] equal those before b[b_end], counting on from `known` that are
+// (at most NgramDrafter::kMaxMatchLength; never before a[0] or b[0]).
+int matched_length(const llama_token* a, long a_end, const llama_token* b, long b_end, int known);
+
 class NgramDrafter {
   public:
     // How far back a match is measured: past this, a longer match tells little more.

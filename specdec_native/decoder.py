@@ -115,6 +115,8 @@ class Stats:
     accepted_by_ngram: int
     drafted_by_grammar: int  # tokens a grammar forced, drafted without a model
     accepted_by_grammar: int
+    drafted_by_index: int  # copied from earlier requests' outputs (the shared n-gram index)
+    accepted_by_index: int
     n_argmax_drafted: int  # sampling: model drafts that were the draft's argmax (point masses)
     accepted_at: list[int]
     proposed_at: list[int]
@@ -227,6 +229,16 @@ def _check_int(name: str, value: Any, lo: int = INT32_MIN, hi: int = INT32_MAX) 
     if not lo <= v <= hi:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
     return v
+
+
+MAX_NGRAM_INDEX_MB = 1 << 16  # 64 GiB: its positions are 32-bit
+
+
+def _index_bytes(mb: Any) -> int:
+    """The shared n-gram index's budget in bytes, from MiB."""
+    ok = lambda v: 0 <= v <= MAX_NGRAM_INDEX_MB  # noqa: E731
+    v = _check_float("ngram_index_mb", mb, ok, f"in [0, {MAX_NGRAM_INDEX_MB}]")
+    return int(v * (1 << 20))
 
 
 def _check_float(
@@ -580,7 +592,10 @@ class SpeculativeDecoder:
 
     ``draft`` is a GGUF path, or "ngram" to draft from earlier occurrences of the text's last
     n-gram (prompt lookup; no draft model). ``ngram=True`` with a draft model tries the n-gram
-    match first and asks the model only when there is none.
+    match first and asks the model only when there is none. ``ngram_index_mb`` > 0 (with n-gram
+    drafting) also copies from the outputs of earlier requests to this decoder, kept in one
+    index of at most that many MiB (the older half forgotten when full): agent loops repeat
+    their tool calls, plans and quotes from one request to the next.
 
     ``n_draft`` (K) is how many tokens the draft proposes per step; without a draft, or with
     ``n_draft=0``, the same engine decodes with the target alone (the baseline).
@@ -608,6 +623,7 @@ class SpeculativeDecoder:
         ngram: bool = False,
         ngram_min: int = 1,
         ngram_max: int = 4,
+        ngram_index_mb: float = 0.0,
         calibration_cache: bool = True,
         n_parallel: int = 1,
         chat_template: str | None = None,
@@ -622,6 +638,7 @@ class SpeculativeDecoder:
         draft_path = None if draft is None else _check_model_path("draft", draft)
         _check_int("ngram_min", ngram_min)
         _check_int("ngram_max", ngram_max)
+        index_bytes = _index_bytes(ngram_index_mb)
         self._adaptive = _is_auto(n_draft)
         # Under "auto" every request is adaptive unless it names its own K: no default K.
         fixed_k = 0 if self._adaptive else _check_int("n_draft", n_draft)
@@ -648,6 +665,7 @@ class SpeculativeDecoder:
             target_model=_model_address(_borrow[0]),
             draft_model=_model_address(_borrow[1]),
             n_parallel=n_parallel,
+            ngram_index_bytes=index_bytes,
         )
         # Llama objects whose weights the engine uses: kept alive as long as it is.
         self._borrowed = [llm for llm in _borrow if llm is not None]
@@ -754,6 +772,12 @@ class SpeculativeDecoder:
         otherwise idle and fewer while other processes keep cores busy (one decode's threads
         wait for each other, and one the kernel deschedules stalls them all)."""
         return self._live().n_threads_now
+
+    @property
+    def ngram_index(self) -> dict[str, int]:
+        """The shared n-gram index now (``ngram_index_mb``): tokens held, estimated bytes."""
+        e = self._live()
+        return {"tokens": e.ngram_index_tokens, "bytes": e.ngram_index_bytes}
 
     def info(self) -> dict[str, Any]:
         """Architecture, size and vocabulary of the target (and draft)."""

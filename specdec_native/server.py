@@ -96,6 +96,9 @@ class RequestError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+DRAFT_SOURCES = ("model", "ngram", "index", "grammar")  # each stats.drafted_by_<source>
+
+
 class Metrics:
     """vLLM's spec-decode metric names under a `specdec:` prefix, and the serving basics."""
 
@@ -116,6 +119,25 @@ class Metrics:
             "Draft tokens accepted, by draft position (from 0)",
             ["position"],
             registry=r,
+        )
+        self.draft_tokens_by_source = Counter(
+            "specdec:draft_tokens_by_source",
+            "Draft tokens proposed, by source: model, ngram (the request's own text), index "
+            "(earlier requests' outputs), grammar (forced tokens)",
+            ["source"],
+            registry=r,
+        )
+        self.accepted_tokens_by_source = Counter(
+            "specdec:accepted_tokens_by_source",
+            "Draft tokens accepted, by source",
+            ["source"],
+            registry=r,
+        )
+        self.index_tokens = Gauge(
+            "specdec:ngram_index_tokens", "Tokens the shared n-gram index holds", registry=r
+        )
+        self.index_bytes = Gauge(
+            "specdec:ngram_index_bytes", "The shared n-gram index's estimated bytes", registry=r
         )
         self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens", registry=r)
         self.prompt_tokens_cached = Counter(
@@ -176,6 +198,13 @@ class Metrics:
         for pos, n in enumerate(s.accepted_at):
             if n:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        for source in DRAFT_SOURCES:
+            self.draft_tokens_by_source.labels(source=source).inc(
+                getattr(s, f"drafted_by_{source}")
+            )
+            self.accepted_tokens_by_source.labels(source=source).inc(
+                getattr(s, f"accepted_by_{source}")
+            )
         self.prompt_tokens.inc(s.n_prompt)
         self.prompt_tokens_cached.inc(s.n_prompt_cached)
         self.generation_tokens.inc(s.n_generated)
@@ -374,6 +403,10 @@ def timings(result: GenerationResult, waited: float) -> dict[str, Any]:
         "draft_n": s.n_drafted,
         "draft_n_accepted": s.n_accepted,
         "acceptance_rate": s.acceptance_rate,
+        "draft_n_by_source": {src: getattr(s, f"drafted_by_{src}") for src in DRAFT_SOURCES},
+        "draft_n_accepted_by_source": {
+            src: getattr(s, f"accepted_by_{src}") for src in DRAFT_SOURCES
+        },
         "fallback_reason": s.draft_error or s.fallback_reason,
         "queue_ms": waited * 1e3,
         "shared_steps": s.n_shared_steps,
@@ -833,6 +866,9 @@ def create_app(
     async def metrics() -> Response:
         if server.decoder is not None and not server.decoder.closed:
             server.metrics.threads.set(server.decoder.n_threads_now)
+            index = server.decoder.ngram_index
+            server.metrics.index_tokens.set(index["tokens"])
+            server.metrics.index_bytes.set(index["bytes"])
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

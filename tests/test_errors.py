@@ -97,7 +97,17 @@ def test_invalid_utf8_surrogates(tiny_decoder: sd.SpeculativeDecoder) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"n_draft": -1}, {"n_draft": 65}, {"n_ctx": 0}, {"n_batch": 0}, {"n_threads": 0}]
+    "kwargs",
+    [
+        {"n_draft": -1},
+        {"n_draft": 65},
+        {"n_ctx": 0},
+        {"n_batch": 0},
+        {"n_threads": 0},
+        {"ngram_index_mb": -1},
+        {"ngram_index_mb": float("nan")},
+        {"ngram_index_mb": 1e9},
+    ],
 )
 def test_bad_constructor_arguments(tiny_pair: models.ModelPair, kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):

@@ -111,3 +111,64 @@ def test_point_mass_drafts_keep_the_distribution(tiny_dir: Path) -> None:
     assert drafted >= n  # every generation drafted from the lookup
     assert 0 < accepted < drafted  # point masses are both accepted and rejected
     assert homogeneity_pvalue(counts[0], counts[2]) > 1e-3
+
+
+PLAN = "Write a Python function that returns the sum of a list of numbers.\n"
+
+
+def test_earlier_outputs_are_copied_exactly(deep_pair: models.ModelPair) -> None:
+    """A request that writes what an earlier one wrote copies it from the shared index (its own
+    text holds none of it), under a fixed K and under auto, and decodes the target's tokens."""
+    with sd.SpeculativeDecoder(deep_pair.target, "ngram", n_ctx=1024, ngram_index_mb=4) as dec:
+        base = dec.generate(PLAN, 40, n_draft=0)
+        for k in (4, "auto"):
+            out = dec.generate(PLAN, 40, n_draft=k)
+            assert_same_or_near_tie(out, base, NEAR_TIE_GAP)
+            assert_stats_add_up(out.stats, len(out.tokens))
+            s = out.stats
+            assert s.accepted_by_index > 0.8 * s.drafted_by_index > 10, (k, s)
+            assert s.drafted_by_ngram + s.drafted_by_index == s.n_drafted
+        assert dec.ngram_index["tokens"] > 3 * 40
+    with sd.SpeculativeDecoder(deep_pair.target, "ngram", n_ctx=1024) as dec:
+        dec.generate(PLAN, 40, n_draft=0)
+        assert dec.generate(PLAN, 40, n_draft=4).stats.drafted_by_index == 0
+        assert dec.ngram_index == {"tokens": 0, "bytes": 0}
+
+
+def test_the_shared_index_keeps_to_its_budget(tiny_pair: models.ModelPair) -> None:
+    budget_mb = 0.2
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, "ngram", n_draft=3, n_ctx=128, ngram_index_mb=budget_mb
+    ) as dec:
+        engine = dec._live()
+        held = []
+        for i in range(400):
+            engine.generate(engine_request([1, 2 + i % 300], 24, i, 3))
+            held.append(dec.ngram_index["tokens"])
+            assert dec.ngram_index["bytes"] <= budget_mb * (1 << 20)
+    assert min(held[200:]) > 300  # it forgot the older half, not everything
+    assert max(held) > 2 * min(held[200:])
+
+
+def test_index_drafts_keep_the_distribution(tiny_dir: Path) -> None:
+    """Sampling: every request drafts the last one's output from the shared index (point masses,
+    sometimes accepted, sometimes not); the outputs' distribution is the target's."""
+    pair = models.build_tiny_pair(tiny_dir, seed=5, draft_noise=0.5)
+    prompt = [1, 300, 270]  # nothing repeats: the request's own text has no match at first
+    n = 10_000
+    counts: dict[int, Counter[tuple[int, ...]]] = {0: Counter(), 2: Counter()}
+    drafted = accepted = 0
+    with sd.SpeculativeDecoder(
+        pair.target, "ngram", n_draft=2, n_ctx=64, n_threads=1, ngram_index_mb=0.5
+    ) as dec:
+        engine = dec._live()
+        for k in (0, 2):
+            for i in range(n):
+                out = engine.generate(engine_request(prompt, 3, 11 * n + i, k))
+                counts[k][tuple(out["tokens"])] += 1
+                if k:
+                    drafted += out["stats"]["drafted_by_index"]
+                    accepted += out["stats"]["accepted_by_index"]
+    assert drafted >= n
+    assert 0 < accepted < drafted
+    assert homogeneity_pvalue(counts[0], counts[2]) > 1e-3

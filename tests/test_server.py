@@ -229,6 +229,26 @@ def test_metrics_count_what_requests_did(chat_server: Server, client: openai.Ope
     assert any(k.startswith("specdec:spec_decode_num_accepted_tokens_per_pos_total") for k in after)
 
 
+def test_a_request_copies_what_an_earlier_one_wrote(chat_server: Server) -> None:
+    """The server's shared n-gram index (on by default with n-gram drafting): the second of two
+    requests that write the same text drafts it from the first one's output."""
+    body = {"prompt": "A list of ten fruits, one per line:\n", "max_tokens": 40, "temperature": 0}
+    before = chat_server.metrics()
+    first, second = (
+        httpx.post(f"{chat_server.url}/v1/completions", json=body, timeout=120).json()
+        for _ in range(2)
+    )
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    timings = second["timings"]
+    assert timings["draft_n_accepted_by_source"]["index"] > 10, timings
+    assert sum(timings["draft_n_by_source"].values()) == timings["draft_n"]
+    after = chat_server.metrics()
+    index = 'specdec:accepted_tokens_by_source_total{source="index"}'
+    assert after[index] - before.get(index, 0) >= timings["draft_n_accepted_by_source"]["index"]
+    assert after["specdec:ngram_index_tokens"] >= 2 * 40
+    assert 0 < after["specdec:ngram_index_bytes"] <= 64 << 20
+
+
 def test_a_client_that_goes_away_frees_the_server(chat_server: Server) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": True}
     with httpx.stream("POST", chat_server.url + "/v1/completions", json=body, timeout=60) as r:
@@ -378,6 +398,16 @@ def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
         )
         assert r.returncode == 1 and "Traceback" not in r.stderr
         assert "chat template" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "1e9"])
+def test_a_bad_index_size_is_one_line(value: str) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve", "--ngram-index-mb", value, "--port", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--ngram-index-mb" in r.stderr.strip().splitlines()[-1]
 
 
 class City(pydantic.BaseModel):

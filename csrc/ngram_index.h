@@ -1,0 +1,55 @@
+// One n-gram index over the outputs of every request an engine has served, so that a request can
+// copy what earlier ones wrote (agent loops repeat their tool calls, plans and quoted passages).
+// A request's own text (its prompt among it) stays with its NgramDrafter; this index holds each
+// finished output with the few prompt tokens before it, which key its first tokens.
+//
+// Scheduler thread only: requests add to it as they retire and draft from it while they step.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "copy_policy.h"
+#include "drafter.h"
+#include "ngram_drafter.h"
+
+namespace specdec {
+
+class SharedNgramIndex {
+  public:
+    // Bytes the index may hold (its tokens and its maps, estimated); past it the older half of
+    // what it holds is forgotten.
+    SharedNgramIndex(int ngram_min, int ngram_max, size_t budget_bytes);
+
+    // A finished request's output, keyed at its start by the prompt's last tokens.
+    void add(const std::vector<llama_token>& prompt, const std::vector<llama_token>& output);
+    // The most recent earlier output that continues `text`'s last tokens (longest key first);
+    // `from` indexes the index's own tokens.
+    NgramMatch match(const std::vector<llama_token>& text) const;
+    // Up to k point-mass drafts continuing `m` (fewer where that output ended).
+    void propose(NgramMatch m, int k, Draft& out) const;
+
+    // What the index's drafts were accepted at, by match length, over every request: one
+    // request says little, and agent loops send many short ones.
+    CopyPolicy& copy_policy() { return copy_; }
+    size_t bytes() const;
+    size_t n_tokens() const { return tokens_.size(); }
+
+  private:
+    // Separates outputs, so that no match or draft runs from one into the next.
+    static constexpr llama_token kBoundary = -1;
+    void index_from(size_t begin);
+    void forget_older_half();
+
+    int ngram_min_;
+    int ngram_max_;
+    size_t budget_;
+    std::vector<llama_token> tokens_;  // outputs (each after its prompt's tail), kBoundary after
+    // by_length_[n - ngram_min_]: hash of an n-gram -> index of the token that followed it
+    std::vector<std::unordered_map<uint64_t, uint32_t>> by_length_;
+    CopyPolicy copy_;
+};
+
+}  // namespace specdec
