@@ -777,6 +777,12 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     help="With n-gram drafting: MiB of one index over earlier requests' outputs, which later "
     "requests copy from (0: each request copies its own text only).",
 )
+@click.option(
+    "--ngram-index-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="SPECDEC_NGRAM_INDEX_FILE",
+    help="Start the shared n-gram index from this file (if it exists) and save it there on exit.",
+)
 @chat_template_option(envvar="SPECDEC_CHAT_TEMPLATE")
 @click.option(
     "--log-format",
@@ -804,6 +810,7 @@ def serve(
     grace: float,
     ngram_with_model: bool,
     ngram_index_mb: float,
+    ngram_index_file: Path | None,
     chat_template: str | None,
     log_format: str,
 ) -> None:
@@ -853,6 +860,9 @@ def serve(
         request_timeout=request_timeout,
         n_draft=k if has_drafter else 0,
         grace=grace,
+        ngram_index_file=ngram_index_file
+        if (ngram or ngram_with_model) and ngram_index_mb
+        else None,
     )
 
     def load() -> SpeculativeDecoder:

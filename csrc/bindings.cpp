@@ -231,6 +231,7 @@ PYBIND11_MODULE(_core, m) {
     py::register_exception<ContextOverflowError>(m, "ContextOverflowError", PyExc_ValueError);
     py::register_exception<NonFiniteLogitsError>(m, "NonFiniteLogitsError", PyExc_RuntimeError);
     py::register_exception<ReentrantCallError>(m, "ReentrantCallError", PyExc_RuntimeError);
+    py::register_exception<FileError>(m, "FileError", PyExc_OSError);
 
     py::class_<CancelFlag, std::shared_ptr<CancelFlag>>(m, "CancelFlag")
         .def(py::init<>())
@@ -411,6 +412,10 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_threads_now", &Engine::n_threads_now)
         .def_property_readonly("ngram_index_tokens", &Engine::ngram_index_tokens)
         .def_property_readonly("ngram_index_bytes", &Engine::ngram_index_bytes)
+        .def("save_ngram_index", &Engine::save_ngram_index, py::arg("path"),
+             py::call_guard<py::gil_scoped_release>())
+        .def("load_ngram_index", &Engine::load_ngram_index, py::arg("path"),
+             py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("running_on_this_thread", &Engine::running_on_this_thread)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 

@@ -33,6 +33,18 @@ void CopyPolicy::expected_tokens(int match_length, int cap, std::vector<double>&
     }
 }
 
+std::array<double, 2 * CopyPolicy::kBuckets> CopyPolicy::evidence() const {
+    std::array<double, 2 * kBuckets> out{};
+    std::copy(tries_.begin(), tries_.end(), out.begin());
+    std::copy(accepts_.begin(), accepts_.end(), out.begin() + kBuckets);
+    return out;
+}
+
+void CopyPolicy::set_evidence(const std::array<double, 2 * kBuckets>& e) {
+    std::copy(e.begin(), e.begin() + kBuckets, tries_.begin());
+    std::copy(e.begin() + kBuckets, e.end(), accepts_.begin());
+}
+
 void CopyPolicy::observe(int match_length, int k, int n_accepted,
                          const std::vector<double>* chances) {
     // Position j was reached only if every position before it was accepted.

@@ -31,6 +31,9 @@ class CopyPolicy {
     void observe(int match_length, int k, int n_accepted, const std::vector<double>* chances);
     // The estimate for the next token after `matched` matched tokens.
     double acceptance(int matched) const;
+    // The evidence by bucket (tries, then accepts), to keep it across runs.
+    std::array<double, 2 * kBuckets> evidence() const;
+    void set_evidence(const std::array<double, 2 * kBuckets>& e);
 
   private:
     static int bucket(int matched);

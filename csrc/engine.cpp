@@ -347,6 +347,30 @@ void Engine::run_exclusive(std::function<void()> work, std::shared_ptr<CancelFla
     if (job->error) std::rethrow_exception(job->error);
 }
 
+void Engine::save_ngram_index(const std::string& path) {
+    check_not_in_callback("save the n-gram index");
+    if (!ngram_index_)
+        throw std::invalid_argument(
+            "this decoder has no shared n-gram index (n-gram drafting "
+            "with an index budget > 0)");
+    run_exclusive([&] { ngram_index_->save(path, target_->n_vocab()); }, nullptr);
+}
+
+void Engine::load_ngram_index(const std::string& path) {
+    check_not_in_callback("load an n-gram index");
+    if (!ngram_index_)
+        throw std::invalid_argument(
+            "this decoder has no shared n-gram index (n-gram drafting "
+            "with an index budget > 0)");
+    run_exclusive(
+        [&] {
+            ngram_index_->load(path, target_->n_vocab());
+            index_tokens_.store(ngram_index_->n_tokens());
+            index_bytes_.store(ngram_index_->bytes());
+        },
+        nullptr);
+}
+
 void Engine::shutdown() {
     check_not_in_callback("close the decoder");
     stop_scheduler();

@@ -110,6 +110,10 @@ class Engine {
     // The shared n-gram index's size now: its tokens and its estimated bytes (0 without one).
     size_t ngram_index_tokens() const { return index_tokens_.load(); }
     size_t ngram_index_bytes() const { return index_bytes_.load(); }
+    // Saves the shared n-gram index to a file, or replaces it with one saved earlier (on the
+    // scheduler thread, between requests). Throws std::invalid_argument without an index.
+    void save_ngram_index(const std::string& path);
+    void load_ngram_index(const std::string& path);
 
     // Throws std::invalid_argument for a token outside the vocabulary.
     void check_tokens(const std::vector<llama_token>& tokens) const;

@@ -42,6 +42,11 @@ struct Cancelled : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// A file the engine reads or writes (the shared n-gram index's) cannot be: an OSError.
+struct FileError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
 // A request ran past its deadline.
 struct TimedOut : std::runtime_error {
     using std::runtime_error::runtime_error;

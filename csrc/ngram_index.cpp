@@ -1,8 +1,14 @@
 #include "ngram_index.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <limits>
 #include <stdexcept>
+
+#include "errors.h"
 
 namespace specdec {
 namespace {
@@ -10,6 +16,17 @@ namespace {
 // and a bucket pointer.
 constexpr size_t kEntryBytes = 32;
 constexpr size_t kBucketBytes = 8;
+constexpr char kMagic[8] = {'S', 'P', 'D', 'X', 'N', 'G', 'I', '1'};
+
+struct FileHeader {
+    char magic[8];
+    int32_t n_vocab, ngram_min, ngram_max;
+    uint64_t n_tokens;
+};
+
+FileError io_error(const std::string& what, const std::string& path) {
+    return FileError(what + " " + path + ": " + std::strerror(errno));
+}
 }  // namespace
 
 SharedNgramIndex::SharedNgramIndex(int ngram_min, int ngram_max, size_t budget_bytes)
@@ -67,6 +84,64 @@ void SharedNgramIndex::forget_older_half() {
     tokens_.shrink_to_fit();
     for (auto& map : by_length_) std::unordered_map<uint64_t, uint32_t>().swap(map);
     index_from(0);
+}
+
+void SharedNgramIndex::save(const std::string& path, int n_vocab) const {
+    const std::string tmp = path + ".tmp";
+    {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        if (!out) throw io_error("cannot write", tmp);
+        FileHeader h{};
+        std::memcpy(h.magic, kMagic, sizeof kMagic);
+        h.n_vocab = n_vocab;
+        h.ngram_min = ngram_min_;
+        h.ngram_max = ngram_max_;
+        h.n_tokens = tokens_.size();
+        const auto evidence = copy_.evidence();
+        out.write(reinterpret_cast<const char*>(&h), sizeof h);
+        out.write(reinterpret_cast<const char*>(evidence.data()), sizeof evidence);
+        out.write(reinterpret_cast<const char*>(tokens_.data()),
+                  static_cast<std::streamsize>(tokens_.size() * sizeof(llama_token)));
+        out.flush();
+        if (!out) throw io_error("cannot write", tmp);
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) throw io_error("cannot write", path);
+}
+
+void SharedNgramIndex::load(const std::string& path, int n_vocab) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw io_error("cannot read", path);
+    FileHeader h{};
+    std::array<double, 2 * CopyPolicy::kBuckets> evidence{};
+    in.read(reinterpret_cast<char*>(&h), sizeof h);
+    in.read(reinterpret_cast<char*>(evidence.data()), sizeof evidence);
+    const std::string bad = path + " is not a shared n-gram index of this model: ";
+    if (!in || std::memcmp(h.magic, kMagic, sizeof kMagic) != 0)
+        throw std::invalid_argument(bad + "no index header");
+    if (h.n_vocab != n_vocab)
+        throw std::invalid_argument(bad + "its vocabulary has " + std::to_string(h.n_vocab) +
+                                    " tokens, the model's " + std::to_string(n_vocab));
+    if (h.n_tokens >= std::numeric_limits<uint32_t>::max())
+        throw std::invalid_argument(bad + "too many tokens");
+    for (size_t b = 0; b < CopyPolicy::kBuckets; ++b) {
+        const double tries = evidence[b], accepts = evidence[b + CopyPolicy::kBuckets];
+        if (!(accepts >= 0.0 && accepts <= tries && tries < 1e18))
+            throw std::invalid_argument(bad + "bad copy evidence");
+    }
+    std::vector<llama_token> tokens(h.n_tokens);
+    in.read(reinterpret_cast<char*>(tokens.data()),
+            static_cast<std::streamsize>(tokens.size() * sizeof(llama_token)));
+    if (!in || in.peek() != std::char_traits<char>::eof())
+        throw std::invalid_argument(bad + "its length does not match its header");
+    for (llama_token t : tokens)
+        if (t != kBoundary && (t < 0 || t >= n_vocab))
+            throw std::invalid_argument(bad + "a token outside the vocabulary");
+    tokens_ = std::move(tokens);
+    if (!tokens_.empty() && tokens_.back() != kBoundary) tokens_.push_back(kBoundary);
+    for (auto& map : by_length_) std::unordered_map<uint64_t, uint32_t>().swap(map);
+    index_from(0);
+    copy_.set_evidence(evidence);
+    while (!tokens_.empty() && bytes() > budget_) forget_older_half();
 }
 
 NgramMatch SharedNgramIndex::match(const std::vector<llama_token>& text) const {

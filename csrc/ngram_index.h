@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -34,6 +35,12 @@ class SharedNgramIndex {
     // What the index's drafts were accepted at, by match length, over every request: one
     // request says little, and agent loops send many short ones.
     CopyPolicy& copy_policy() { return copy_; }
+    // Writes what it holds (outputs and copy evidence) to `path` (through a temporary file, so
+    // a crash leaves the old one), for a vocabulary of n_vocab tokens; load() replaces what it
+    // holds with a file's. Throws FileError on I/O errors and std::invalid_argument
+    // on a file that is no index, or one for another vocabulary.
+    void save(const std::string& path, int n_vocab) const;
+    void load(const std::string& path, int n_vocab);
     size_t bytes() const;
     size_t n_tokens() const { return tokens_.size(); }
 

@@ -779,6 +779,18 @@ class SpeculativeDecoder:
         e = self._live()
         return {"tokens": e.ngram_index_tokens, "bytes": e.ngram_index_bytes}
 
+    def save_ngram_index(self, path: PathLike) -> None:
+        """Writes the shared n-gram index (``ngram_index_mb``) to ``path``, once no request is
+        generating; ``load_ngram_index`` in a later process starts from it. OSError when the
+        file cannot be written, ValueError without an index."""
+        self._live().save_ngram_index(os.fspath(path))
+
+    def load_ngram_index(self, path: PathLike) -> None:
+        """Replaces the shared n-gram index with one ``save_ngram_index`` wrote (for this
+        model's vocabulary; kept within this decoder's budget). OSError when the file cannot be
+        read, ValueError when it is no index of this vocabulary."""
+        self._live().load_ngram_index(os.fspath(path))
+
     def info(self) -> dict[str, Any]:
         """Architecture, size and vocabulary of the target (and draft)."""
         e = self._live()

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -65,6 +66,7 @@ class ServerSettings:
     request_timeout: float | None = None
     n_draft: int | str = AUTO
     grace: float = 30.0  # seconds running requests get to finish after SIGTERM
+    ngram_index_file: Path | None = None  # the shared n-gram index: loaded at start, saved at exit
 
 
 class RequestError(Exception):
@@ -443,6 +445,7 @@ class Server:
         loop = self.loop = asyncio.get_running_loop()
         try:
             self.decoder = await loop.run_in_executor(None, self.load)
+            await loop.run_in_executor(None, self._load_index, self.decoder)
             warm_up = loop.run_in_executor(None, self._warm_up, self.decoder)
             done, _ = await asyncio.wait({warm_up}, timeout=WARM_UP_BOUND)
             if done:
@@ -464,6 +467,26 @@ class Server:
         self.ready = True
         log.info("ready: %s", self.settings.model_alias)
 
+    def _load_index(self, decoder: SpeculativeDecoder) -> None:
+        path = self.settings.ngram_index_file
+        if path is None or not path.exists():
+            return
+        try:
+            decoder.load_ngram_index(path)
+            log.info("n-gram index loaded: %d tokens", decoder.ngram_index["tokens"])
+        except (OSError, ValueError) as e:  # a server starts cold rather than not at all
+            log.warning("n-gram index not loaded: %s", e)
+
+    def _save_index(self, decoder: SpeculativeDecoder) -> None:
+        path = self.settings.ngram_index_file
+        if path is None or not self.ready:
+            return
+        try:
+            decoder.save_ngram_index(path)
+            log.info("n-gram index saved: %d tokens", decoder.ngram_index["tokens"])
+        except (OSError, ValueError, RuntimeError) as e:
+            log.error("n-gram index not saved: %s", e)
+
     def _warm_up(self, decoder: SpeculativeDecoder) -> None:
         decoder.generate("Hello", 4, n_draft=self.settings.n_draft, temperature=0.0)
 
@@ -478,6 +501,7 @@ class Server:
 
     def close(self) -> None:
         if self.decoder is not None:
+            self._save_index(self.decoder)
             self.decoder.close()
 
     # -- shutdown ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from conftest import BATCHED_NEAR_TIE_GAP, NEAR_TIE_GAP
 from helpers import assert_same_or_near_tie, assert_stats_add_up, engine_request
 from test_distribution import homogeneity_pvalue
@@ -172,3 +173,42 @@ def test_index_drafts_keep_the_distribution(tiny_dir: Path) -> None:
     assert drafted >= n
     assert 0 < accepted < drafted
     assert homogeneity_pvalue(counts[0], counts[2]) > 1e-3
+
+
+def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    """A later decoder starts from a saved index: its first request copies what the first
+    decoder's requests wrote. Files that are no index of this model are refused."""
+    path = tmp_path / "index.bin"
+    prompt = [1, 300, 270]
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, "ngram", n_draft=3, n_ctx=128, ngram_index_mb=1
+    ) as dec:
+        with pytest.raises(OSError, match="cannot read"):
+            dec.load_ngram_index(tmp_path / "missing.bin")
+        engine = dec._live()
+        first = engine.generate(engine_request(prompt, 24, 0, 3, temperature=0.0))
+        dec.save_ngram_index(path)
+        held = dec.ngram_index["tokens"]
+        with pytest.raises(OSError, match="cannot write"):
+            dec.save_ngram_index(tmp_path / "no-such-dir" / "index.bin")
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, "ngram", n_draft=3, n_ctx=128, ngram_index_mb=1
+    ) as dec:
+        dec.load_ngram_index(path)
+        assert dec.ngram_index["tokens"] == held
+        again = dec._live().generate(engine_request(prompt, 24, 0, 3, temperature=0.0))
+        assert again["tokens"] == first["tokens"]
+        assert again["stats"]["accepted_by_index"] > 10
+        held = dec.ngram_index["tokens"]
+        for content, why in (
+            (b"not an index at all", "no index header"),
+            (path.read_bytes()[:-4], "length"),
+        ):
+            bad = tmp_path / "bad.bin"
+            bad.write_bytes(content)
+            with pytest.raises(ValueError, match=why):
+                dec.load_ngram_index(bad)
+        assert dec.ngram_index["tokens"] == held  # a refused file changes nothing
+    with sd.SpeculativeDecoder(tiny_pair.target, "ngram", n_ctx=128) as dec:
+        with pytest.raises(ValueError, match="no shared n-gram index"):
+            dec.save_ngram_index(path)

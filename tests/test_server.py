@@ -249,6 +249,32 @@ def test_a_request_copies_what_an_earlier_one_wrote(chat_server: Server) -> None
     assert 0 < after["specdec:ngram_index_bytes"] <= 64 << 20
 
 
+def test_the_shared_index_outlives_a_restart(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    path = tmp_path / "index.bin"
+    args = ("--draft", "ngram", "-np", "1", "-c", "256", "--ngram-index-file", path)
+    server = start(tiny_pair.target, *args)
+    try:
+        body = {"prompt": "the sea", "max_tokens": 24, "temperature": 0}
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).raise_for_status()
+        held = server.metrics()["specdec:ngram_index_tokens"]
+    finally:
+        assert server.stop() == 0
+    assert held > 24 and path.stat().st_size > 24 * 4
+    # (the warm-up's own few tokens come on top)
+    server = start(tiny_pair.target, *args)
+    try:
+        assert held <= server.metrics()["specdec:ngram_index_tokens"] < held + 12
+    finally:
+        server.stop()
+    path.write_bytes(b"garbage")  # a file that is no index: the server starts cold
+    server = start(tiny_pair.target, *args)
+    try:
+        assert server.metrics()["specdec:ngram_index_tokens"] < 12
+        assert "n-gram index not loaded" in server.stderr()
+    finally:
+        server.stop()
+
+
 def test_a_client_that_goes_away_frees_the_server(chat_server: Server) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": True}
     with httpx.stream("POST", chat_server.url + "/v1/completions", json=body, timeout=60) as r:
