@@ -311,7 +311,7 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
     "--grammar",
     "grammar_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The output matches the Lark grammar in this file (llguidance's syntax).",
+    help="The output matches the grammar in this file (Lark as llguidance reads it, or GBNF).",
 )
 @click.option("--regex", default=None, help="The output matches this regular expression.")
 @click.option(

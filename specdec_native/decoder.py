@@ -440,9 +440,23 @@ def _check_constraint(kind: Any, text: Any) -> tuple[str, str]:
             text = json.dumps({**schema, "x-guidance": COMPACT_JSON})
     elif kind == "json_object":
         kind, text = "json_schema", json.dumps({"type": "object", "x-guidance": COMPACT_JSON})
-    elif kind != "json_object" and not text.strip():
+    elif not text.strip():
         raise ValueError(f"{name} is empty")
+    elif kind == "lark":
+        text = _as_lark(text)
     return (kind, text)
+
+
+def _as_lark(grammar: str) -> str:
+    """A GBNF grammar (llama.cpp's) in Lark syntax, as llguidance reads it; Lark as it is."""
+    try:
+        from llguidance.gbnf_to_lark import any_to_lark
+    except ImportError:  # the engine says llguidance is missing
+        return grammar
+    try:
+        return any_to_lark(grammar)
+    except Exception as e:  # the converter has its own errors, and fails on some input otherwise
+        raise ValueError(f"grammar is neither Lark nor GBNF this can read: {e}") from None
 
 
 def _check_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
@@ -960,8 +974,9 @@ class SpeculativeDecoder:
         ``on_start`` is called once, before any text, when the request takes a slot: every check
         has passed and it no longer waits (never for a call that ends while it waits).
         Structured output (at most one; needs the llguidance package): ``json_schema`` (a dict or
-        its JSON text), ``grammar`` (Lark syntax, as llguidance reads it), ``regex``, or
-        ``json_object=True`` (any JSON object). Every token is one the grammar allows; the
+        its JSON text), ``grammar`` (Lark syntax as llguidance reads it, or llama.cpp's GBNF,
+        which llguidance's converter turns into Lark), ``regex``, or ``json_object=True`` (any
+        JSON object). Every token is one the grammar allows; the
         output is the target's distribution restricted to what the grammar allows, drafts
         included (a draft is cut at its first token the grammar forbids). A grammar that does
         not compile raises ValueError naming the problem; output the grammar could not finish

@@ -29,6 +29,7 @@ MAX_SPECULATIVE = 64
 MAX_INT = 1 << 30
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+MAX_GRAMMAR_CHARS = 1 << 20
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 # Fields of the OpenAI API that would change what is generated and that this server does not
@@ -142,6 +143,11 @@ class _Generation(_Body):
     json_schema: Union[dict[str, Any], bool, None] = Field(
         None, description="llama-server's: the output matches this JSON schema"
     )
+    grammar: Optional[str] = Field(
+        None,
+        max_length=MAX_GRAMMAR_CHARS,
+        description="llama-server's: a GBNF grammar the output matches (or Lark syntax)",
+    )
     logit_bias: Optional[dict[str, float]] = Field(
         None, description="token id (as a string): a bias in [-100, 100] added to its logit"
     )
@@ -181,7 +187,14 @@ class _Generation(_Body):
     @property
     def constraint(self) -> tuple[str, str] | None:
         """The grammar the output must match, as (kind, text): the tools' format, else
-        response_format or llama-server's json_schema (BodyError when the two disagree)."""
+        response_format, llama-server's json_schema or its grammar (BodyError when more than
+        one is given)."""
+        if self.grammar:
+            if self.tool_format is not None or self._response_schema is not None:
+                raise BodyError(
+                    "give one of grammar, response_format, json_schema and tools", "grammar"
+                )
+            return ("lark", self.grammar)
         tools = self.tool_format
         if tools is not None:
             return ("json_schema", json.dumps(tools.schema()))

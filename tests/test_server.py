@@ -479,6 +479,22 @@ def test_json_object_and_llama_cpps_json_schema_hold(chat_server: Server) -> Non
                 jsonschema.validate(value, schema)
 
 
+def test_llama_cpps_gbnf_grammar_holds(chat_server: Server) -> None:
+    """llama-server's `grammar` field (GBNF): the output is one of its strings; a grammar that
+    cannot be read, or one next to another constraint, is a 400 rather than ignored."""
+    url = f"{chat_server.url}/v1/completions"
+    body = {"prompt": "Is the sea salty? Answer:", "max_tokens": 8, "temperature": 0.7}
+    gbnf = 'root ::= " " ("yes" | "no") ("." | "!")'
+    for seed in range(3):
+        r = httpx.post(url, json={**body, "seed": seed, "grammar": gbnf}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] in (" yes.", " yes!", " no.", " no!")
+    for grammar, extra in (('root ::= "yes', {}), (gbnf, {"json_schema": {"type": "string"}})):
+        r = httpx.post(url, json={**body, "grammar": grammar, **extra}, timeout=120)
+        assert r.status_code == 400, r.text
+        assert "grammar" in r.json()["error"]["message"]
+
+
 WEATHER_TOOLS: list[ChatCompletionFunctionToolParam] = [
     {
         "type": "function",
