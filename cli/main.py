@@ -48,11 +48,13 @@ def _os_error_message(e: OSError) -> str:
 
 
 def _caused_by_ctrl_c(e: BaseException) -> bool:
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, KeyboardInterrupt):
+    chain: list[BaseException] = []
+    cause: BaseException | None = e
+    while cause is not None and not any(cause is c for c in chain):  # a chain may loop
+        if isinstance(cause, KeyboardInterrupt):
             return True
-        seen = seen.__cause__ or seen.__context__
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
     return False
 
 
@@ -817,7 +819,12 @@ def serve(
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair."""
     from specdec_native import SpeculativeDecoder, models
-    from specdec_native.decoder import MAX_NGRAM_INDEX_MB, MAX_PARALLEL, ChatTemplate
+    from specdec_native.decoder import (
+        MAX_NGRAM_INDEX_MB,
+        MAX_PARALLEL,
+        MIN_NGRAM_INDEX_MB,
+        ChatTemplate,
+    )
 
     try:
         import uvicorn
@@ -835,8 +842,12 @@ def serve(
         raise click.ClickException(f"--parallel must be in [1, {MAX_PARALLEL}], got {n_parallel}")
     if max_queue < 0:
         raise click.ClickException("--max-queue must be >= 0")
-    if not (math.isfinite(ngram_index_mb) and 0 <= ngram_index_mb <= MAX_NGRAM_INDEX_MB):
-        raise click.ClickException(f"--ngram-index-mb must be in [0, {MAX_NGRAM_INDEX_MB}]")
+    if not (
+        ngram_index_mb == 0 or MIN_NGRAM_INDEX_MB <= ngram_index_mb <= MAX_NGRAM_INDEX_MB
+    ):  # NaN fails both
+        raise click.ClickException(
+            f"--ngram-index-mb must be 0 (off) or in [{MIN_NGRAM_INDEX_MB}, {MAX_NGRAM_INDEX_MB}]"
+        )
     if request_timeout is not None and not (math.isfinite(request_timeout) and request_timeout > 0):
         raise click.ClickException("--request-timeout must be a number of seconds > 0")
     if not (math.isfinite(grace) and grace >= 0):

@@ -364,9 +364,15 @@ void Engine::load_ngram_index(const std::string& path) {
             "with an index budget > 0)");
     run_exclusive(
         [&] {
-            ngram_index_->load(path, target_->n_vocab());
+            std::exception_ptr failed;
+            try {
+                ngram_index_->load(path, target_->n_vocab());
+            } catch (...) {
+                failed = std::current_exception();  // the index is as it was, or empty
+            }
             index_tokens_.store(ngram_index_->n_tokens());
             index_bytes_.store(ngram_index_->bytes());
+            if (failed) std::rethrow_exception(failed);
         },
         nullptr);
 }
@@ -598,7 +604,12 @@ void Engine::retire(int seq, std::exception_ptr error) {
             recalibrate_after(*g);
     }
     if (ngram_index_ && !error) {
-        ngram_index_->add(g->prompt(), g->output());
+        // The index is an optimisation: its failure (out of memory) must not touch a request.
+        try {
+            ngram_index_->add(g->prompt(), g->output());
+        } catch (...) {
+            ngram_index_->clear();
+        }
         index_tokens_.store(ngram_index_->n_tokens());
         index_bytes_.store(ngram_index_->bytes());
     }

@@ -33,7 +33,16 @@ SharedNgramIndex::SharedNgramIndex(int ngram_min, int ngram_max, size_t budget_b
     : ngram_min_(ngram_min), ngram_max_(ngram_max), budget_(budget_bytes) {
     if (ngram_min < 1 || ngram_max < ngram_min || ngram_max > 16)
         throw std::invalid_argument("need 1 <= ngram_min <= ngram_max <= 16");
+    if (budget_bytes < kMinBudget)
+        throw std::invalid_argument("the shared n-gram index needs at least " +
+                                    std::to_string(kMinBudget) + " bytes");
     by_length_.resize(static_cast<size_t>(ngram_max - ngram_min + 1));
+}
+
+void SharedNgramIndex::clear() noexcept {
+    std::vector<llama_token>().swap(tokens_);
+    for (auto& map : by_length_) std::unordered_map<uint64_t, uint32_t>().swap(map);
+    copy_ = CopyPolicy();
 }
 
 size_t SharedNgramIndex::bytes() const {
@@ -45,16 +54,26 @@ size_t SharedNgramIndex::bytes() const {
 
 void SharedNgramIndex::add(const std::vector<llama_token>& prompt,
                            const std::vector<llama_token>& output) {
-    if (output.empty() || budget_ == 0) return;
+    if (output.empty()) return;
     const size_t context = std::min(prompt.size(), static_cast<size_t>(ngram_max_));
     const size_t begin = tokens_.size();
     tokens_.insert(tokens_.end(), prompt.end() - static_cast<long>(context), prompt.end());
     tokens_.insert(tokens_.end(), output.begin(), output.end());
     tokens_.push_back(kBoundary);
     index_from(begin);
+    fit_budget();
+}
+
+void SharedNgramIndex::fit_budget() {
     while (!tokens_.empty() &&
-           (bytes() > budget_ || tokens_.size() >= std::numeric_limits<uint32_t>::max()))
+           (bytes() > budget_ || tokens_.size() >= std::numeric_limits<uint32_t>::max())) {
+        const size_t before = tokens_.size();
         forget_older_half();
+        if (tokens_.size() == before) {  // nothing left to halve: what remains is the maps' floor
+            clear();
+            return;
+        }
+    }
 }
 
 // Position p continues the n-gram tokens_[p-n, p) of its own output; later positions overwrite
@@ -111,6 +130,9 @@ void SharedNgramIndex::save(const std::string& path, int n_vocab) const {
 void SharedNgramIndex::load(const std::string& path, int n_vocab) {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw io_error("cannot read", path);
+    in.seekg(0, std::ios::end);
+    const auto size = static_cast<uint64_t>(in.tellg());
+    in.seekg(0, std::ios::beg);
     FileHeader h{};
     std::array<double, 2 * CopyPolicy::kBuckets> evidence{};
     in.read(reinterpret_cast<char*>(&h), sizeof h);
@@ -121,27 +143,36 @@ void SharedNgramIndex::load(const std::string& path, int n_vocab) {
     if (h.n_vocab != n_vocab)
         throw std::invalid_argument(bad + "its vocabulary has " + std::to_string(h.n_vocab) +
                                     " tokens, the model's " + std::to_string(n_vocab));
-    if (h.n_tokens >= std::numeric_limits<uint32_t>::max())
-        throw std::invalid_argument(bad + "too many tokens");
+    // Before allocating: a forged count must not cost memory.
+    if (h.n_tokens >= std::numeric_limits<uint32_t>::max() ||
+        size != sizeof h + sizeof evidence + h.n_tokens * sizeof(llama_token))
+        throw std::invalid_argument(bad + "its length does not match its header");
     for (size_t b = 0; b < CopyPolicy::kBuckets; ++b) {
         const double tries = evidence[b], accepts = evidence[b + CopyPolicy::kBuckets];
         if (!(accepts >= 0.0 && accepts <= tries && tries < 1e18))
             throw std::invalid_argument(bad + "bad copy evidence");
     }
-    std::vector<llama_token> tokens(h.n_tokens);
+    std::vector<llama_token> tokens;
+    tokens.reserve(h.n_tokens + 1);
+    tokens.resize(h.n_tokens);
     in.read(reinterpret_cast<char*>(tokens.data()),
             static_cast<std::streamsize>(tokens.size() * sizeof(llama_token)));
-    if (!in || in.peek() != std::char_traits<char>::eof())
-        throw std::invalid_argument(bad + "its length does not match its header");
+    if (!in) throw io_error("cannot read", path);
     for (llama_token t : tokens)
         if (t != kBoundary && (t < 0 || t >= n_vocab))
             throw std::invalid_argument(bad + "a token outside the vocabulary");
-    tokens_ = std::move(tokens);
-    if (!tokens_.empty() && tokens_.back() != kBoundary) tokens_.push_back(kBoundary);
-    for (auto& map : by_length_) std::unordered_map<uint64_t, uint32_t>().swap(map);
-    index_from(0);
-    copy_.set_evidence(evidence);
-    while (!tokens_.empty() && bytes() > budget_) forget_older_half();
+    if (!tokens.empty() && tokens.back() != kBoundary) tokens.push_back(kBoundary);
+    // Nothing of the old index survives from here: a failure leaves it empty, never half-built.
+    clear();
+    try {
+        tokens_ = std::move(tokens);
+        copy_.set_evidence(evidence);
+        index_from(0);
+        fit_budget();
+    } catch (...) {
+        clear();
+        throw;
+    }
 }
 
 NgramMatch SharedNgramIndex::match(const std::vector<llama_token>& text) const {

@@ -20,8 +20,11 @@ namespace specdec {
 
 class SharedNgramIndex {
   public:
-    // Bytes the index may hold (its tokens and its maps, estimated); past it the older half of
-    // what it holds is forgotten.
+    // Below it an index holds too little to be worth its lookups.
+    static constexpr size_t kMinBudget = 4096;
+
+    // Bytes the index may hold (its tokens and its maps, estimated; kMinBudget at least); past
+    // it the older half of what it holds is forgotten.
     SharedNgramIndex(int ngram_min, int ngram_max, size_t budget_bytes);
 
     // A finished request's output, keyed at its start by the prompt's last tokens.
@@ -43,12 +46,15 @@ class SharedNgramIndex {
     void load(const std::string& path, int n_vocab);
     size_t bytes() const;
     size_t n_tokens() const { return tokens_.size(); }
+    // Forgets everything (the copy evidence too): what add() or load() leave when they fail.
+    void clear() noexcept;
 
   private:
     // Separates outputs, so that no match or draft runs from one into the next.
     static constexpr llama_token kBoundary = -1;
     void index_from(size_t begin);
     void forget_older_half();
+    void fit_budget();
 
     int ngram_min_;
     int ngram_max_;

@@ -197,7 +197,12 @@ class _Generation(_Body):
             return ("lark", self.grammar)
         tools = self.tool_format
         if tools is not None:
-            return ("json_schema", json.dumps(tools.schema()))
+            try:
+                return ("json_schema", json.dumps(tools.schema()))
+            except ToolError as e:
+                raise BodyError(str(e), "tools") from None
+            except RecursionError:
+                raise BodyError("tools: a schema is nested too deeply", "tools") from None
         schema = self._response_schema
         if schema is None:
             return None

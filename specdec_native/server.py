@@ -433,6 +433,7 @@ class Server:
         self.decoder: SpeculativeDecoder | None = None
         self.ready = False
         self.draining = False  # SIGTERM came: no new work
+        self.index_refused = False  # the n-gram index file was not ours to load
         self.load_error: str | None = None
         self.admitted = 0  # requests past admission: parsing, waiting for a slot or running
         self.runs: set[Run] = set()
@@ -474,12 +475,15 @@ class Server:
         try:
             decoder.load_ngram_index(path)
             log.info("n-gram index loaded: %d tokens", decoder.ngram_index["tokens"])
-        except (OSError, ValueError) as e:  # a server starts cold rather than not at all
-            log.warning("n-gram index not loaded: %s", e)
+        except (OSError, ValueError, MemoryError, RuntimeError) as e:
+            # A server starts cold rather than not at all; and leaves a file that is not its
+            # own (another model's index?) as it found it.
+            self.index_refused = True
+            log.warning("n-gram index not loaded (it will not be saved over): %s", e)
 
     def _save_index(self, decoder: SpeculativeDecoder) -> None:
         path = self.settings.ngram_index_file
-        if path is None or not self.ready:
+        if path is None or not self.ready or self.index_refused:
             return
         try:
             decoder.save_ngram_index(path)
@@ -501,6 +505,8 @@ class Server:
 
     def close(self) -> None:
         if self.decoder is not None:
+            # The save waits for no request to be running: those still running are cut first.
+            self._cut_running()
             self._save_index(self.decoder)
             self.decoder.close()
 

@@ -93,36 +93,39 @@ def _embedded(schema: Any, name: str, defs: dict[str, Any]) -> Any:
     """`schema` for use inside the output's schema. One with local references ("#",
     "#/$defs/X": pydantic writes them) moves to the root's $defs under `name`, its references
     rewritten to point inside it, since "#" now means the output's root."""
-    if not _has_local_ref(schema):
+    base = f"#/$defs/{name}"
+    try:
+        moved = _rebased(schema, base)
+    except RecursionError:
+        raise ToolError("tools: a schema is nested too deeply") from None
+    if moved == schema:  # no local references: it stays where it is
         return schema
-    defs[name] = _rebased(schema, f"#/$defs/{name}")
-    return {"$ref": f"#/$defs/{name}"}
+    defs[name] = moved
+    return {"$ref": base}
 
 
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: left as they are
-
-
-def _has_local_ref(schema: Any) -> bool:
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            return True
-        return any(_has_local_ref(v) for k, v in schema.items() if k not in _DATA_KEYWORDS)
-    if isinstance(schema, list):
-        return any(_has_local_ref(v) for v in schema)
-    return False
+# Keywords whose value maps names to schemas (there, a property named "default" is a schema).
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _rebased(schema: Any, base: str) -> Any:
-    if isinstance(schema, dict):
-        out = {k: v if k in _DATA_KEYWORDS else _rebased(v, base) for k, v in schema.items()}
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            out["$ref"] = base + ref[1:]
-        return out
+    """`schema` with its local references ("#...") moved under `base`."""
     if isinstance(schema, list):
         return [_rebased(v, base) for v in schema]
-    return schema
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebased(v, base) for name, v in value.items()}
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        else:
+            out[key] = _rebased(value, base)
+    return out
 
 
 def _object(properties: dict[str, Any]) -> dict[str, Any]:

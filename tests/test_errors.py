@@ -107,6 +107,7 @@ def test_invalid_utf8_surrogates(tiny_decoder: sd.SpeculativeDecoder) -> None:
         {"ngram_index_mb": -1},
         {"ngram_index_mb": float("nan")},
         {"ngram_index_mb": 1e9},
+        {"ngram_index_mb": 1e-5},
     ],
 )
 def test_bad_constructor_arguments(tiny_pair: models.ModelPair, kwargs: dict[str, Any]) -> None:

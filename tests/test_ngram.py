@@ -12,6 +12,7 @@ from test_distribution import homogeneity_pvalue
 
 import specdec_native as sd
 from specdec_native import models
+from specdec_native._core import testing
 
 CODE_EDIT = (
     "Rename the variable `total` to `acc` in this function:\n\n"
@@ -157,22 +158,29 @@ def test_index_drafts_keep_the_distribution(tiny_dir: Path) -> None:
     pair = models.build_tiny_pair(tiny_dir, seed=5, draft_noise=0.5)
     prompt = [1, 300, 270]  # nothing repeats: the request's own text has no match at first
     n = 10_000
-    counts: dict[int, Counter[tuple[int, ...]]] = {0: Counter(), 2: Counter()}
+    counts: dict[str, Counter[tuple[int, ...]]] = {}
     drafted = accepted = 0
     with sd.SpeculativeDecoder(
         pair.target, "ngram", n_draft=2, n_ctx=64, n_threads=1, ngram_index_mb=0.5
     ) as dec:
         engine = dec._live()
-        for k in (0, 2):
-            for i in range(n):
-                out = engine.generate(engine_request(prompt, 3, 11 * n + i, k))
-                counts[k][tuple(out["tokens"])] += 1
-                if k:
-                    drafted += out["stats"]["drafted_by_index"]
-                    accepted += out["stats"]["accepted_by_index"]
+        for arm, k in (("base", 0), ("index", 2), ("wrong", 2)):
+            counts[arm] = Counter()
+            testing.set_wrong_residual(arm == "wrong")
+            try:
+                for i in range(n):
+                    out = engine.generate(engine_request(prompt, 3, 11 * n + i, k))
+                    counts[arm][tuple(out["tokens"])] += 1
+                    if arm == "index":
+                        drafted += out["stats"]["drafted_by_index"]
+                        accepted += out["stats"]["accepted_by_index"]
+            finally:
+                testing.set_wrong_residual(False)
     assert drafted >= n
     assert 0 < accepted < drafted
-    assert homogeneity_pvalue(counts[0], counts[2]) > 1e-3
+    assert homogeneity_pvalue(counts["base"], counts["index"]) > 1e-3
+    # The test sees a wrong rule: resampling from p itself after a rejection.
+    assert homogeneity_pvalue(counts["base"], counts["wrong"]) < 1e-6
 
 
 def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
@@ -200,9 +208,15 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
         assert again["tokens"] == first["tokens"]
         assert again["stats"]["accepted_by_index"] > 10
         held = dec.ngram_index["tokens"]
+        saved = path.read_bytes()
+        header = 32  # magic, n_vocab, ngram_min, ngram_max, (padding), n_tokens
+        forged_count = saved[:24] + (1 << 31).to_bytes(8, "little") + saved[header:]
+        other_vocab = saved[:8] + (12345).to_bytes(4, "little") + saved[12:]
         for content, why in (
             (b"not an index at all", "no index header"),
-            (path.read_bytes()[:-4], "length"),
+            (saved[:-4], "length"),
+            (forged_count, "length"),  # refused before anything is allocated for it
+            (other_vocab, "vocabulary"),
         ):
             bad = tmp_path / "bad.bin"
             bad.write_bytes(content)

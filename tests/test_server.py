@@ -426,7 +426,7 @@ def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
         assert "chat template" in r.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "1e9"])
+@pytest.mark.parametrize("value", ["-1", "nan", "1e9", "0.00001"])
 def test_a_bad_index_size_is_one_line(value: str) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "cli.main", "serve", "--ngram-index-mb", value, "--port", "1"],
@@ -489,7 +489,15 @@ def test_llama_cpps_gbnf_grammar_holds(chat_server: Server) -> None:
         r = httpx.post(url, json={**body, "seed": seed, "grammar": gbnf}, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] in (" yes.", " yes!", " no.", " no!")
-    for grammar, extra in (('root ::= "yes', {}), (gbnf, {"json_schema": {"type": "string"}})):
+    many = (
+        "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(600)) + 'r600 ::= "b"'
+    )
+    bad: tuple[tuple[str, dict[str, object]], ...] = (
+        ('root ::= "yes', {}),
+        (gbnf, {"json_schema": {"type": "string"}}),
+        (many, {}),
+    )
+    for grammar, extra in bad:
         r = httpx.post(url, json={**body, "grammar": grammar, **extra}, timeout=120)
         assert r.status_code == 400, r.text
         assert "grammar" in r.json()["error"]["message"]

@@ -38,6 +38,18 @@ def test_tool_schemas_keep_their_own_references() -> None:
         assert valid({"tool_calls": [{"name": "tree", "arguments": value}]}) == ok
         assert valid({"response": value}) == ok
     jsonschema.validate({"tool_calls": [{"name": "plain", "arguments": {"n": 1}}]}, schema)
+    # Under properties, "default" names a property, not a keyword: its reference moves too.
+    named = {
+        "type": "object",
+        "properties": {"default": {"$ref": "#/$defs/V"}},
+        "required": ["default"],
+        "$defs": {"V": {"type": "integer"}},
+    }
+    schema = ToolFormat([{"name": "named", "parameters": named}], "required", True, None).schema()
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema)) == ""
+    valid = jsonschema.Draft202012Validator(schema).is_valid
+    assert valid({"tool_calls": [{"name": "named", "arguments": {"default": 3}}]})
+    assert not valid({"tool_calls": [{"name": "named", "arguments": {"default": "x"}}]})
     assert "$defs" not in ToolFormat(functions[1:], "required", True, None).schema()
 
 
