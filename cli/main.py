@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NoReturn, TypeVar
 
 import click
 
@@ -89,18 +89,40 @@ def user_errors(fn: F) -> F:
             except RuntimeError as e:
                 raise click.ClickException(f"{type(e).__name__}: {e}") from None
         except KeyboardInterrupt:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            click.echo("\ninterrupted", err=True)
-            sys.exit(130)
+            _exit_interrupted()
 
     return wrapper  # type: ignore[return-value]
+
+
+def _exit_interrupted() -> NoReturn:
+    """Ctrl-C: exit 130, ignoring a second Ctrl-C while exiting."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    click.echo("\ninterrupted", err=True)
+    sys.exit(130)
+
+
+class _Commands(click.Group):
+    """click's group, but a Ctrl-C while click reads the command line (before a command's own
+    handling) exits 130 like any other, not 1 with click's "Aborted!"."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            _exit_interrupted()
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            _exit_interrupted()
 
 
 def progress(msg: str) -> None:
     click.echo(f"[specdec] {msg}", err=True)
 
 
-@click.group()
+@click.group(cls=_Commands)
 @click.version_option(package_name="specdec")
 def cli() -> None:
     """Speculative decoding for GGUF models on llama.cpp."""

@@ -565,6 +565,33 @@ def test_ctrl_c_inside_a_native_modules_init_is_an_interrupt(tiny_pair: models.M
     assert r.stderr.strip() == "interrupted"
 
 
+@pytest.mark.parametrize("where", ["Group.parse_args", "Command.parse_args"])
+def test_ctrl_c_while_click_reads_the_command_line_is_an_interrupt(
+    tiny_pair: models.ModelPair, where: str
+) -> None:
+    # click itself turns a KeyboardInterrupt into "Aborted!" and exit 1; the group's and the
+    # command's argument parsing is where one lands before a command's own handling.
+    cls, method = where.split(".")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import click
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        setattr(click.{cls}, "{method}", interrupted)
+        sys.argv = ["specdec-cli", "info", sys.argv[1]]
+        from cli.main import main
+        main()
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_pair.target)],
+        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip() == "interrupted"
+
+
 def test_run_chat_with_a_jinja_template_file(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text(
