@@ -347,21 +347,22 @@ void Engine::run_exclusive(std::function<void()> work, std::shared_ptr<CancelFla
     if (job->error) std::rethrow_exception(job->error);
 }
 
-void Engine::save_ngram_index(const std::string& path) {
-    check_not_in_callback("save the n-gram index");
+void Engine::require_ngram_index() const {
     if (!ngram_index_)
         throw std::invalid_argument(
             "this decoder has no shared n-gram index (n-gram drafting "
             "with an index budget > 0)");
+}
+
+void Engine::save_ngram_index(const std::string& path) {
+    check_not_in_callback("save the n-gram index");
+    require_ngram_index();
     run_exclusive([&] { ngram_index_->save(path, target_->n_vocab()); }, nullptr);
 }
 
 void Engine::load_ngram_index(const std::string& path) {
     check_not_in_callback("load an n-gram index");
-    if (!ngram_index_)
-        throw std::invalid_argument(
-            "this decoder has no shared n-gram index (n-gram drafting "
-            "with an index budget > 0)");
+    require_ngram_index();
     run_exclusive(
         [&] {
             std::exception_ptr failed;

@@ -130,6 +130,7 @@ class Engine {
         return static_cast<const Engine*>(engine)->stop_requested();
     }
     void check_not_in_callback(const char* what) const;
+    void require_ngram_index() const;  // std::invalid_argument without one
     void check_request(const GenerateRequest& request) const;
     // The target's vocabulary for llguidance: built by the first constrained request.
     const ConstraintVocab& constraint_vocab();

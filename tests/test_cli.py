@@ -537,6 +537,17 @@ def test_ctrl_c_while_starting_is_quiet(tiny_pair: models.ModelPair) -> None:
         assert proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err)
 
 
+def assert_quietly_interrupted(code: str, target: Path) -> None:
+    """`code` (run as `python -c`, with the model's path as its argument) ends as a Ctrl-C
+    should: exit 130, one line."""
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(target)],
+        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip() == "interrupted"
+
+
 def test_ctrl_c_inside_a_native_modules_init_is_an_interrupt(tiny_pair: models.ModelPair) -> None:
     # A Ctrl-C that lands while pybind11 initialises _core reaches us as ImportError("initialization
     # failed") caused by KeyboardInterrupt; a finder raises exactly that, the window being ~3 ms.
@@ -557,12 +568,7 @@ def test_ctrl_c_inside_a_native_modules_init_is_an_interrupt(tiny_pair: models.M
         main()
         """
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_pair.target)],
-        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert r.returncode == 130, r.stderr
-    assert r.stderr.strip() == "interrupted"
+    assert_quietly_interrupted(code, tiny_pair.target)
 
 
 @pytest.mark.parametrize("where", ["Group.parse_args", "Command.parse_args"])
@@ -584,12 +590,7 @@ def test_ctrl_c_while_click_reads_the_command_line_is_an_interrupt(
         main()
         """
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_pair.target)],
-        cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert r.returncode == 130, r.stderr
-    assert r.stderr.strip() == "interrupted"
+    assert_quietly_interrupted(code, tiny_pair.target)
 
 
 def test_run_chat_with_a_jinja_template_file(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
