@@ -71,8 +71,13 @@ int Generation::add_prefill(Batch& batch, int budget) {
         batch.add(seq_[i], static_cast<llama_pos>(i), false, seq_id_);
     const int added = static_cast<int>(end - prefilled_);
     prefilled_ = end;
-    // The draft reads the prompt alongside, so its first draft does not have to.
-    if (drafts_with_model_) parts_.drafter->prefill(seq_id_, seq_, static_cast<size_t>(added));
+    // The draft reads the prompt alongside, so its first draft does not have to; that read is
+    // part of the prompt's cost.
+    if (drafts_with_model_) {
+        const auto start = Clock::now();
+        parts_.drafter->prefill(seq_id_, seq_, static_cast<size_t>(added));
+        stats().t_prompt += seconds_since(start);
+    }
     return added;
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -160,3 +161,16 @@ def test_tokenize_roundtrip(deep_decoder: sd.SpeculativeDecoder) -> None:
     text = "Hello, world! Ünïcödé ✓"
     ids = deep_decoder.tokenize(text, add_special=False)
     assert deep_decoder.detokenize(ids) == text
+
+
+def test_the_prompts_time_holds_both_models_reading_it(smollm2_q40: Path) -> None:
+    # A model drafting for itself reads a long prompt in as long as the target does: leaving
+    # its read out of t_prompt would leave close to half of such a request's time unaccounted.
+    prompt = " ".join(f"item {i} is on shelf {i % 7}." for i in range(60))
+    with sd.SpeculativeDecoder(smollm2_q40, smollm2_q40, n_ctx=1024) as dec:
+        r = dec.generate(prompt, 3, n_draft=1)
+    s = r.stats
+    assert s.n_prompt > 400
+    assert_stats_add_up(s, len(r.tokens))
+    accounted = s.t_prompt + s.t_draft + s.t_verify
+    assert 0.8 * s.t_total <= accounted <= s.t_total * 1.001, s
