@@ -174,8 +174,14 @@ struct PendingError {
     }
 };
 
+py::list logprob_tuples(const std::vector<TokenLogprob>& logprobs) {
+    py::list out;
+    for (const auto& t : logprobs) out.append(py::make_tuple(t.token, t.logprob, t.top));
+    return out;
+}
+
 py::dict run_generate(Engine& engine, GenerateRequest request, const py::object& on_text,
-                      const py::object& on_start) {
+                      const py::object& on_start, const py::object& on_logprobs) {
     PendingError pending;
     // Runs a callback's Python work (its arguments' conversion too) under the GIL; what it
     // raises is re-raised once the engine unwinds.
@@ -189,8 +195,15 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
         }
     };
     TextCallback text_cb;
-    if (!on_text.is_none())
-        text_cb = [&](const std::string& text) { with_gil([&] { on_text(to_str(text)); }); };
+    if (!on_text.is_none() || !on_logprobs.is_none())
+        text_cb = [&](const std::string& text, const std::vector<TokenLogprob>& logprobs) {
+            with_gil([&] {
+                // A piece's logprobs first: a caller pairs them with the text that follows.
+                if (!on_logprobs.is_none() && !logprobs.empty())
+                    on_logprobs(logprob_tuples(logprobs));
+                if (!on_text.is_none()) on_text(to_str(text));
+            });
+        };
     StartCallback start_cb;
     if (!on_start.is_none()) start_cb = [&] { with_gil([&] { on_start(); }); };
     GenerationResult result;
@@ -212,10 +225,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     out["text"] = to_str(result.text);
     out["finish_reason"] = finish_reason_name(result.finish_reason);
     out["margins"] = result.margins;
-    py::list logprobs;
-    for (const auto& t : result.logprobs)
-        logprobs.append(py::make_tuple(t.token, t.logprob, t.top));
-    out["logprobs"] = logprobs;
+    out["logprobs"] = logprob_tuples(result.logprobs);
     out["stats"] = stats_dict(result.stats);
     return out;
 }
@@ -305,10 +315,11 @@ PYBIND11_MODULE(_core, m) {
         .def(
             "generate",
             [](Engine& e, GenerateRequest request, const py::object& on_text,
-               const py::object& on_start) {
-                return run_generate(e, std::move(request), on_text, on_start);
+               const py::object& on_start, const py::object& on_logprobs) {
+                return run_generate(e, std::move(request), on_text, on_start, on_logprobs);
             },
-            py::arg("request"), py::arg("on_text") = py::none(), py::arg("on_start") = py::none())
+            py::arg("request"), py::arg("on_text") = py::none(), py::arg("on_start") = py::none(),
+            py::arg("on_logprobs") = py::none())
         .def(
             "calibrate",
             [](Engine& e, const std::vector<int32_t>& context) {

@@ -289,9 +289,11 @@ GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallbac
         }
         if (!channel.text.empty()) {
             std::string piece;
+            std::vector<TokenLogprob> logprobs;
             piece.swap(channel.text);
+            logprobs.swap(channel.logprobs);
             lock.unlock();
-            if (on_text) call_back([&] { on_text(piece); });
+            if (on_text) call_back([&] { on_text(piece, logprobs); });
             lock.lock();
             continue;
         }

@@ -41,9 +41,10 @@ struct EngineConfig {
     bool verbose = false;
 };
 
-// Receives text as it is committed, in order, on the calling thread. May throw to stop
-// generation.
-using TextCallback = std::function<void(const std::string&)>;
+// Receives text as it is committed, in order, on the calling thread, with the logprobs of the
+// tokens committed since the last call (when the request asked for them; the tokens of text
+// held back come with the text). May throw to stop generation.
+using TextCallback = std::function<void(const std::string&, const std::vector<TokenLogprob>&)>;
 using StartCallback = std::function<void()>;
 
 class Engine {

@@ -488,8 +488,9 @@ int Generation::commit(size_t j) {
     seq_.push_back(token);
     result_.tokens.push_back(token);
     if (greedy()) result_.margins.push_back(step_margins_[j]);
-    if (req_.logprobs >= 0) result_.logprobs.push_back(step_logprobs_[j]);
-    emit(text_.push(parts_.target.token_piece(token)));
+    const TokenLogprob* logprob = nullptr;
+    if (req_.logprobs >= 0) logprob = &result_.logprobs.emplace_back(step_logprobs_[j]);
+    emit(text_.push(parts_.target.token_piece(token)), logprob);
     if (text_.stopped()) {
         finish(FinishReason::kStop);
     } else if (static_cast<int>(result_.tokens.size()) >= req_.max_tokens) {
@@ -500,12 +501,13 @@ int Generation::commit(size_t j) {
 
 // The caller is woken once per step (hand_over_text), not per token: each wake-up is a thread
 // switch (and, from Python, a GIL hand-over) on cores the decode needs.
-void Generation::emit(const std::string& text) {
-    if (text.empty()) return;
+void Generation::emit(const std::string& text, const TokenLogprob* logprob) {
+    if (text.empty() && !logprob) return;
     result_.text += text;
     std::lock_guard<std::mutex> lock(channel_->mutex);
     channel_->text += text;
-    text_waiting_ = true;
+    if (logprob) channel_->logprobs.push_back(*logprob);
+    text_waiting_ = text_waiting_ || !text.empty();
 }
 
 void Generation::hand_over_text() {

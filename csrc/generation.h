@@ -124,7 +124,10 @@ struct RequestChannel {
 
     std::mutex mutex;
     std::condition_variable changed;
-    std::string text;       // committed, not yet handed to the caller
+    std::string text;  // committed, not yet handed to the caller
+    // The logprobs of the tokens committed since text was last handed over (when asked for):
+    // they go with the next text, so a token held back (a stop string's prefix) waits too.
+    std::vector<TokenLogprob> logprobs;
     bool admitted = false;  // holds a slot (the caller can no longer withdraw it)
     bool done = false;
     GenerationResult result;
@@ -269,7 +272,7 @@ class Generation {
     llama_token target_token(size_t row);
     void record_logprob(size_t row, llama_token verdict);
     int commit(size_t j);
-    void emit(const std::string& text);
+    void emit(const std::string& text, const TokenLogprob* logprob = nullptr);
     void hand_over_text();
 
     EngineParts parts_;

@@ -194,6 +194,10 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+def _token_logprobs(raw: list[tuple[int, float, list[tuple[int, float]]]]) -> list[TokenLogprob]:
+    return [TokenLogprob(t, lp, list(top)) for t, lp, top in raw]
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     text: str
@@ -1034,8 +1038,11 @@ class SpeculativeDecoder:
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
     ) -> GenerationResult:
-        """generate() with its settings as one GenerationSettings (see `checked()`)."""
+        """generate() with its settings as one GenerationSettings (see `checked()`).
+        ``on_logprobs`` (when the settings ask for logprobs) receives, just before each piece of
+        text reaches ``on_text``, the logprobs of the tokens committed since the last piece."""
         engine = self._live()
         tokens = self._prompt_tokens(prompt)
         if not isinstance(settings, GenerationSettings):
@@ -1052,7 +1059,12 @@ class SpeculativeDecoder:
         if first_adaptive:
             self._load_calibration(engine)
         request = settings.engine_request(tokens, self._adaptive, cancel)
-        out = engine.generate(request, on_text, on_start)
+        out = engine.generate(
+            request,
+            on_text,
+            on_start,
+            None if on_logprobs is None else lambda raw: on_logprobs(_token_logprobs(raw)),
+        )
         if out["stats"]["draft_error"]:
             warnings.warn(
                 f"drafting was dropped for this request: {out['stats']['draft_error']}",
@@ -1066,9 +1078,7 @@ class SpeculativeDecoder:
             stats=Stats(**out["stats"]),
             prompt_tokens=tokens,
             margins=list(out["margins"]),
-            logprobs=None
-            if settings.logprobs is None
-            else [TokenLogprob(t, lp, list(top)) for t, lp, top in out["logprobs"]],
+            logprobs=None if settings.logprobs is None else _token_logprobs(out["logprobs"]),
         )
         if out["stats"]["recalibrated"]:
             self._calibration = "measured"

@@ -36,6 +36,7 @@ from specdec_native.decoder import (
     GenerationResult,
     GenerationSettings,
     SpeculativeDecoder,
+    TokenLogprob,
 )
 from specdec_native.openai_api import (
     MAX_BODY_BYTES,
@@ -306,14 +307,23 @@ class Run:
         self.job, self.rid, self.chat, self.arrived = job, rid, chat, arrived
         self.flag = _core.CancelFlag()
         self.started = asyncio.Event()  # the engine gave it a slot: every check passed
-        self.pieces: asyncio.Queue[str | None] = asyncio.Queue()  # None: no more
+        # Text as committed, with its tokens' logprobs when asked for; None: no more.
+        self.pieces: asyncio.Queue[tuple[str, list[TokenLogprob]] | None] = asyncio.Queue()
         self.cut: str | None = None
         self.ended = arrived  # when the generation returned (set then)
         loop = asyncio.get_running_loop()
 
-        # On the worker thread: hand over to the event loop.
+        # On the worker thread: hand over to the event loop. A piece's logprobs come just
+        # before its text.
+        logprobs: list[TokenLogprob] = []
+
+        def logprobs_came(entries: list[TokenLogprob]) -> None:
+            logprobs.extend(entries)
+
         def text_came(text: str) -> None:
-            loop.call_soon_threadsafe(self.pieces.put_nowait, text)
+            piece = (text, logprobs.copy())
+            logprobs.clear()
+            loop.call_soon_threadsafe(self.pieces.put_nowait, piece)
 
         def slot_taken() -> None:
             loop.call_soon_threadsafe(self._started, on_start)
@@ -325,6 +335,7 @@ class Run:
             on_text=text_came,
             on_start=slot_taken,
             cancel=self.flag,
+            on_logprobs=None if job.settings.logprobs is None else logprobs_came,
         )
         self.future: asyncio.Future[GenerationResult] = loop.run_in_executor(None, call)
         # Runs after every piece the worker handed over (call_soon_threadsafe keeps their order).
@@ -659,7 +670,7 @@ class Server:
 
     def _completion(self, run: Run, result: GenerationResult) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
-        choice["logprobs"] = self._logprobs(run, result)
+        choice["logprobs"] = self._logprobs(run, result.logprobs)
         if run.chat and run.job.tools is not None:
             content, calls = read_output(result.text)
             choice["message"] = {
@@ -698,13 +709,14 @@ class Server:
             "choices": [choice],
         }
 
-    def _logprobs(self, run: Run, result: GenerationResult) -> dict[str, Any] | None:
-        """The tokens' logprobs in OpenAI's shape for the endpoint (a stream sends them all with
-        its last chunk)."""
-        if result.logprobs is None:
+    def _logprobs(
+        self, run: Run, entries: list[TokenLogprob] | None, offset: int = 0
+    ) -> dict[str, Any] | None:
+        """Tokens' logprobs in OpenAI's shape for the endpoint: a whole output's, or a streamed
+        chunk's (``offset``: where its text starts in the output)."""
+        if entries is None:
             return None
         assert self.decoder is not None
-        entries = result.logprobs
         ids = [e.token for e in entries] + [t for e in entries for t, _ in e.top]
         pieces = dict(zip(ids, self.decoder.token_bytes(ids)))
 
@@ -721,7 +733,7 @@ class Server:
                 for e in entries
             ]
             return {"content": content, "refusal": None}
-        offsets, at = [], 0
+        offsets, at = [], offset
         for e in entries:
             offsets.append(at)
             at += len(text(e.token))
@@ -755,9 +767,21 @@ class Server:
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield json.dumps(first)
             answer = StreamedAnswer() if run.job.tools is not None else None
+            # Each chunk carries its tokens' logprobs; with tools, whose text is rewritten as it
+            # streams, the last chunk carries them all.
+            sent, offset = 0, 0
             while (piece := await run.pieces.get()) is not None:
-                for text in [piece] if answer is None else answer.feed(piece):
-                    yield json.dumps(self._chunk(run, text, None))
+                text, logprobs = piece
+                if answer is not None:
+                    for part in answer.feed(text):
+                        yield json.dumps(self._chunk(run, part, None))
+                    continue
+                chunk = self._chunk(run, text, None)
+                if logprobs:
+                    chunk["choices"][0]["logprobs"] = self._logprobs(run, logprobs, offset)
+                    sent += len(logprobs)
+                offset += len(text)
+                yield json.dumps(chunk)
             error = run.future.exception()
             if error is not None:  # the model or the backend failed mid-stream
                 refusal = _refusal(error)
@@ -770,7 +794,8 @@ class Server:
                     finish = "tool_calls" if "tool_calls" in chunk["delta"] else finish
                     yield json.dumps(self._chunk(run, None, None) | {"choices": [chunk]})
             last = self._chunk(run, None if run.chat else "", finish)
-            last["choices"][0]["logprobs"] = self._logprobs(run, result)
+            rest = None if result.logprobs is None else result.logprobs[sent:]
+            last["choices"][0]["logprobs"] = self._logprobs(run, rest or None, offset)
             last["timings"] = timings(result, run.waited(result))
             yield json.dumps(last)
             if run.job.include_usage:

@@ -64,3 +64,24 @@ def test_under_a_grammar_only_allowed_tokens_have_probability(
         texts = [deep_decoder.detokenize([t]) for t, _ in entry.top]
         assert all(t.isdigit() for t in texts), texts
         assert sum(math.exp(lp) for _, lp in entry.top) == pytest.approx(1.0, abs=0.02)
+
+
+def test_streamed_logprobs_come_with_their_text(deep_decoder: sd.SpeculativeDecoder) -> None:
+    """run(on_logprobs=) hands each piece's tokens' logprobs just before the piece: in order,
+    all of the result's; a token held back (a possible start of a stop string) comes with the
+    text that releases it."""
+    events: list[tuple[str, object]] = []
+    settings = sd.GenerationSettings.checked(max_tokens=16, n_draft=3, logprobs=1, stop=["\n\n\n"])
+    out = deep_decoder.run(
+        PROMPT,
+        settings,
+        on_text=lambda text: events.append(("text", text)),
+        on_logprobs=lambda entries: events.append(("logprobs", entries)),
+    )
+    assert out.logprobs is not None
+    streamed = [e for kind, batch in events if kind == "logprobs" for e in batch]  # type: ignore[attr-defined]
+    assert out.finish_reason == "length" and streamed == out.logprobs
+    assert sum(kind == "text" for kind, _ in events) > 1
+    for (kind, _), (next_kind, _) in zip(events, events[1:]):
+        assert kind == "text" or next_kind == "text"  # logprobs always lead a piece of text
+    assert events[-1][0] == "text"

@@ -790,8 +790,8 @@ def test_a_langchain_agent_loop_over_two_tools(chat_server: Server) -> None:
 
 
 def test_logprobs_in_openais_shapes(client: openai.OpenAI) -> None:
-    """Chat: logprobs.content per token with top_logprobs, streamed or not; completions: the
-    legacy tokens / token_logprobs / top_logprobs lists."""
+    """Chat: logprobs.content per token with top_logprobs, streamed (each chunk its own
+    tokens') or not; completions: the legacy tokens / token_logprobs / top_logprobs lists."""
     request = {
         "model": "smol",
         "messages": [{"role": "user", "content": "Name three colours."}],
@@ -810,13 +810,18 @@ def test_logprobs_in_openais_shapes(client: openai.OpenAI) -> None:
         assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.bytes
         assert bytes(t.bytes).decode("utf-8", "replace") == t.token
         assert t.top_logprobs[0].logprob >= t.logprob - 0.05  # greedy takes the likeliest
-    streamed = [
-        t
+    chunks = [
+        chunk.choices[0]
         for chunk in client.chat.completions.create(stream=True, **request)  # type: ignore[call-overload]
         if chunk.choices and chunk.choices[0].logprobs
-        for t in chunk.choices[0].logprobs.content or []
     ]
+    streamed = [t for c in chunks for t in c.logprobs.content or []]
     assert [t.token for t in streamed] == [t.token for t in content]
+    # Each piece of text comes with its own tokens' logprobs, not all of them at the end.
+    assert len(chunks) > 1
+    for c in chunks:
+        if c.delta.content:
+            assert "".join(t.token for t in c.logprobs.content or []) == c.delta.content
     c = client.completions.create(
         model="smol", prompt="Colours:", max_tokens=6, temperature=0, logprobs=2
     )
@@ -825,6 +830,15 @@ def test_logprobs_in_openais_shapes(client: openai.OpenAI) -> None:
     assert "".join(lp.tokens) == c.choices[0].text
     assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+    pieces = [
+        chunk.choices[0]
+        for chunk in client.completions.create(
+            model="smol", prompt="Colours:", max_tokens=6, temperature=0, logprobs=2, stream=True
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+    ]
+    assert [t for p in pieces for t in p.logprobs.tokens or []] == lp.tokens  # type: ignore[union-attr]
+    assert [o for p in pieces for o in p.logprobs.text_offset or []] == lp.text_offset  # type: ignore[union-attr]
 
 
 def test_penalties_and_logit_bias(
