@@ -160,7 +160,10 @@ def bench_member(
     target, draft = models.build_zoo_member(member, progress=lambda m: print(m, file=sys.stderr))
     kinds = {"grounded"} if member.ngram else None
     prompts = list(load_prompts(args.split, kinds).values())
-    configs = (NGRAM_KS if member.ngram else MODEL_KS) + ([CHECKED] if args.rate_check else [])
+    ks = NGRAM_KS if member.ngram else MODEL_KS
+    if args.ks is not None:
+        ks = ["auto", *args.ks]
+    configs = ks + ([CHECKED] if args.rate_check else [])
     result: dict[str, Any] = {"member": member.__dict__, "prompts": len(prompts), "cells": []}
     for streams in args.streams:
         with sd.SpeculativeDecoder(
@@ -227,10 +230,12 @@ def main() -> None:
     ap.add_argument(
         "--rate-check", action="store_true", help="also `auto` with the rate check (an A/B)"
     )
+    ap.add_argument("--ks", help="the fixed K's to run (default: all), e.g. 0 or 0,2")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     args.temps = [float(t) for t in args.temps.split(",")]
+    args.ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
     tools = None
     if args.llama_cpp:
         built = subprocess.run(
