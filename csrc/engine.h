@@ -88,9 +88,13 @@ class Engine {
     AdaptivePolicy policy() const;
     BatchCosts batch_costs() const;
     RateCheck rate_check() const;
-    // Whether `auto`'s steps are checked against measured target-only steps. Off by default:
-    // on held-out zoo pairs it did not win outside the noise (docs/zoo.md).
-    void set_rate_check(bool on) { rate_check_on_.store(on); }
+    // Whether `auto`'s steps are checked against measured target-only steps: `on` for steps of
+    // one sequence, `under_load` for steps of several. Both off by default: on held-out zoo
+    // pairs neither won outside the noise (docs/zoo.md).
+    void set_rate_check(bool on, bool under_load = false) {
+        rate_check_on_.store(on);
+        rate_check_under_load_.store(under_load);
+    }
     // Whether requests with a grammar draft the tokens it forces (on by default; off to measure
     // what they bring). Requests admitted later see the change.
     void set_grammar_drafts(bool on) { grammar_drafts_.store(on); }
@@ -242,6 +246,7 @@ class Engine {
     std::unique_ptr<ConstraintVocab> constraint_vocab_;  // constraint_mutex_
     RateCheck rate_check_;                               // policy_mutex_
     std::atomic<bool> rate_check_on_{false};
+    std::atomic<bool> rate_check_under_load_{false};
     std::atomic<bool> grammar_drafts_{true};
     bool step_measured_ = false;  // this step is one the rate check learns from
     bool step_drafted_ = false;

@@ -73,7 +73,9 @@ void Engine::step() {
 
 bool Engine::held_to_target_only() {
     // A fixed K is the caller's choice, and a step with one is no measure of `auto`'s.
-    step_measured_ = !decoding_.empty() && rate_check_on_.load();
+    step_measured_ = decoding_.size() == 1  ? rate_check_on_.load()
+                     : decoding_.size() > 1 ? rate_check_under_load_.load()
+                                            : false;
     for (const Generation* g : decoding_) step_measured_ = step_measured_ && g->adaptive();
     if (!step_measured_) return false;
     const int n = static_cast<int>(decoding_.size());

@@ -24,12 +24,21 @@ constexpr double kMargin = 0.03;
 // target-only rate, by one step in kExploreEvery.
 constexpr double kExploreBelow = 1.3;
 constexpr int kExploreEvery = 8;
+// Under load a try is judged once it holds this many steps' worth, and must win by kMargin.
+constexpr double kTrySteps = 6.0;
 // Holds of target-only steps: the first this long, doubling while each try after one loses.
 constexpr int kHoldMin = 16;
 constexpr int kHoldMax = 256;
 }  // namespace
 
-RateCheck::RateCheck(int max_sequences) : lanes_(static_cast<size_t>(std::max(max_sequences, 0))) {}
+RateCheck::RateCheck(int max_sequences) : lanes_(static_cast<size_t>(std::max(max_sequences, 0))) {
+    // Under load drafting must show that it pays: it starts held, and each try is judged on
+    // all of its steps.
+    for (size_t i = 1; i < lanes_.size(); ++i) {
+        lanes_[i].under_load = true;
+        start_hold(lanes_[i]);
+    }
+}
 
 double RateCheck::Lane::spec_rate() const {
     return spec_seconds > 0.0 ? spec_tokens / spec_seconds : 0.0;
@@ -58,6 +67,14 @@ void RateCheck::start_hold(Lane& l) {
 void RateCheck::judge(Lane& l, double modelled_plain) {
     // Target-only's rate as measured; until it is, as modelled (a hold then measures it).
     const double plain = l.plain_known() ? l.plain_rate() : modelled_plain;
+    if (l.under_load) {
+        if (plain <= 0.0 || l.spec_weight < kTrySteps) return;
+        if (l.spec_rate() < plain * (1.0 + kMargin))
+            start_hold(l);
+        else if (l.retrying && l.spec_weight >= 2 * kJudgeSteps)
+            l.retrying = false;
+        return;
+    }
     if (plain <= 0.0 || l.spec_weight < kEarlyJudgeSteps) return;
     const double margin = l.spec_weight >= kJudgeSteps ? kMargin : kEarlyMargin;
     if (l.spec_rate() < plain * (1.0 - margin))
@@ -104,7 +121,9 @@ void RateCheck::observe(int n, int tokens, double seconds, bool drafted) {
         ++l->plain_samples;
         l->steps_since_plain = 0;
     }
-    if (l->forced || !drafted) return;
+    // Under load every step of `auto`'s counts: its plan often drafts for some sequences, and
+    // what the batch commits is the measure.
+    if (l->forced || (!drafted && !l->under_load)) return;
     if (l->skip_next) {
         l->skip_next = false;
         return;

@@ -60,6 +60,7 @@ class RateCheck {
         bool skip_next = false;       // the first step after a hold pays its catch-up
         bool retrying = false;        // after a hold, until the policies win or lose again
         bool forced = false;          // this step is target-only by the check's choice
+        bool under_load = false;      // several sequences: drafting must win, not only not lose
         double spec_rate() const;
         double plain_rate() const;
         bool plain_known() const;

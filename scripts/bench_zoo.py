@@ -36,8 +36,10 @@ ROOT = Path(__file__).parent.parent
 PROMPTS = ROOT / "docs" / "bench" / "zoo-prompts.jsonl"
 MODEL_KS: list[int | str] = ["auto", 0, 1, 2, 3, 4, 5]
 NGRAM_KS: list[int | str] = ["auto", 0, 2, 4, 8, 16]
-# `auto` with the rate check on (csrc/rate_check.h; off by default): the A/B of that rule.
-CHECKED = "auto+check"
+# Variants of `auto` for an A/B (--ab), with the rate check (csrc/rate_check.h; off by
+# default) on steps of one sequence and of several (check), or of several only (load-check).
+VARIANTS = {"check": "auto+check", "load-check": "auto+load-check"}
+RATE_CHECK = {"auto": (False, False), "auto+check": (True, True), "auto+load-check": (False, True)}
 NGRAM_TYPES = ["ngram-simple", "ngram-map-k", "ngram-mod"]
 SEED = 1234
 
@@ -64,8 +66,9 @@ def run_config(
     tokens = [0]
     lock = threading.Lock()
 
-    dec._live().set_rate_check(k == CHECKED)
-    n_draft = "auto" if k == CHECKED else k
+    one, several = RATE_CHECK.get(str(k), RATE_CHECK["auto"])
+    dec._live().set_rate_check(one, under_load=several)
+    n_draft = "auto" if str(k) in RATE_CHECK else k
 
     def worker(mine: list[tuple[int, str]]) -> None:
         for i, prompt in mine:
@@ -97,7 +100,8 @@ def run_cell(
             tokens, seconds = run_config(dec, prompts, streams, k, temp, args.n, SEED + 100 * r)
             rates[str(k)].append(tokens / seconds)
             print(f"    round {r + 1} K={k}: {tokens / seconds:6.1f} tok/s", file=sys.stderr)
-    fixed = [str(k) for k in configs if k not in ("auto", CHECKED)]
+    fixed = [str(k) for k in configs if str(k) not in RATE_CHECK]
+    variant = next((str(k) for k in configs if str(k) in VARIANTS.values()), "auto")
     best_per_round = [max(rates[k][r] for k in fixed) for r in range(args.rounds)]
     median = {k: statistics.median(v) for k, v in rates.items()}
     best = max(fixed, key=lambda k: median[k])
@@ -109,8 +113,9 @@ def run_cell(
         "best_fixed": best,
         "auto_over_best": statistics.median(a / b for a, b in zip(rates["auto"], best_per_round)),
         "auto_over_k0": statistics.median(a / b for a, b in zip(rates["auto"], rates["0"])),
-        "checked_over_auto": statistics.median(
-            a / b for a, b in zip(rates.get(CHECKED, rates["auto"]), rates["auto"])
+        "variant": variant,
+        "variant_over_auto": statistics.median(
+            a / b for a, b in zip(rates[variant], rates["auto"])
         ),
     }
 
@@ -163,7 +168,7 @@ def bench_member(
     ks = NGRAM_KS if member.ngram else MODEL_KS
     if args.ks is not None:
         ks = ["auto", *args.ks]
-    configs = ks + ([CHECKED] if args.rate_check else [])
+    configs = ks + ([VARIANTS[args.ab]] if args.ab else [])
     result: dict[str, Any] = {"member": member.__dict__, "prompts": len(prompts), "cells": []}
     for streams in args.streams:
         with sd.SpeculativeDecoder(
@@ -188,7 +193,7 @@ def bench_member(
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| pair | streams | T | K = 0 | `auto` | best fixed | auto / best | auto / K = 0 "
-        "| auto+check / auto | llama.cpp best |",
+        "| variant / auto | llama.cpp best |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
@@ -203,7 +208,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"| {res['member']['name']} | {c['streams']} | {c['temperature']:g} "
                 f"| {c['median']['0']:.1f} | {c['median']['auto']:.1f} "
                 f"| K={best} {c['median'][best]:.1f} | {c['auto_over_best']:.2f} "
-                f"| {c['auto_over_k0']:.2f} | {c['checked_over_auto']:.2f} | {lc_text} |"
+                f"| {c['auto_over_k0']:.2f} | {c['variant']} {c['variant_over_auto']:.2f} "
+                f"| {lc_text} |"
             )
     ratios = [c["auto_over_best"] for res in results for c in res["cells"]]
     if ratios:
@@ -228,7 +234,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp beside the 1-stream cells")
     ap.add_argument(
-        "--rate-check", action="store_true", help="also `auto` with the rate check (an A/B)"
+        "--ab",
+        choices=sorted(VARIANTS),
+        help="also `auto` with the rate check on all steps (check) or under load (load-check)",
     )
     ap.add_argument("--ks", help="the fixed K's to run (default: all), e.g. 0 or 0,2")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md are written")

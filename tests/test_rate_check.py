@@ -126,12 +126,29 @@ def test_a_text_that_turns_easy_is_speculated_on_again_within_a_bounded_time() -
     assert out["rate"] >= 0.8 * 2.0 * plain_rate(fast)
 
 
+def test_under_load_drafting_starts_held_and_must_win_its_tries() -> None:
+    # Four sequences speculating level with target-only are held: under load drafting must
+    # win its tries, not only not lose them.
+    level = World(spec_tokens=2.0, spec_cost=2.0 * T0 * 2, seed=4)
+    check = testing.RateCheck(4)
+    assert check.view(4)[2] is True  # held before its first step
+    loaded = run(check, level, 2000, n=4, modelled=plain_rate(level, 4))
+    assert loaded["plain"] > 0.9 * 2000
+    assert check.view(4)[3] == 256
+    # Clearly ahead (2x): after the first hold, never held again.
+    ahead = World(spec_tokens=2.6, spec_cost=1.3 * T0 * 2, seed=5)
+    check = testing.RateCheck(4)
+    out = run(check, ahead, 2000, n=4, modelled=plain_rate(ahead, 4))
+    assert 16 <= out["plain"] <= 16 + 0.03 * 2000
+    assert out["rate"] >= 1.8 * plain_rate(ahead, 4)
+
+
 def test_sequence_counts_are_judged_apart_and_out_of_range_is_ignored() -> None:
     check = testing.RateCheck(2)
     slow = World(spec_tokens=1.5, spec_cost=2.0 * T0)
     run(check, slow, 500, n=1, modelled=plain_rate(slow))
     assert check.view(1)[3] > 0
-    assert check.view(2) == (0.0, 0.0, False, 0)
+    assert check.view(2) == (0.0, 0.0, True, 16)  # untouched: held, as a lane under load starts
     for n in (0, 3, -1):
         assert check.hold_plain(n, 1.0) is False
         check.observe(n, 5, 1.0, True)
