@@ -16,7 +16,9 @@ namespace specdec {
 // beyond the noise, every step is held at target-only for a while, then the policies get
 // another try; holds double while the tries keep losing. (Judging all of the policies' steps
 // together instead, where they seldom draft, compares target-only with itself and holds on
-// noise, blocking the rare copies that pay most.)
+// noise, blocking the rare copies that pay most.) Under load (several sequences) drafting must
+// show that it pays: such a lane starts held, and a try is judged on all of its steps and must
+// beat target-only, since a hold there costs nothing and a drafting row nearly a full row.
 //
 // Target-only's rate is measured, not modelled: when the policies draft all the time it is
 // learnt by an occasional step of K = 0, taken only where the measured speculating rate is

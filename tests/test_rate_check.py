@@ -172,3 +172,30 @@ def test_an_engine_reports_what_it_measured(deep_pair: models.ModelPair) -> None
     assert len(rates) == 1
     assert rates[0]["speculating"] > 0
     assert set(rates[0]) == {"speculating", "target_only", "holding", "last_hold"}
+
+
+def test_an_engine_checks_only_steps_of_several_sequences_when_asked(
+    deep_pair: models.ModelPair,
+) -> None:
+    """With the check on under load only, two requests decoding together start held (their
+    target-only rate is measured) while a request alone is not checked."""
+    import threading
+
+    with sd.SpeculativeDecoder(
+        deep_pair.target, deep_pair.draft, n_draft="auto", n_parallel=2, calibration_cache=False
+    ) as dec:
+        dec._live().set_calibration([0.05] * 11, [0.005, 0.006])
+        dec._live().set_rate_check(False, under_load=True)
+        dec.generate("def fibonacci(n):\n", max_tokens=24)
+        prompts = ["def fibonacci(n):\n", "The capital of France is"]
+        threads = [
+            threading.Thread(target=dec.generate, args=(p,), kwargs={"max_tokens": 32})
+            for p in prompts
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        alone, together = dec.policy_state()["measured_rates"]
+    assert alone == {"speculating": 0.0, "target_only": 0.0, "holding": False, "last_hold": 0}
+    assert together["target_only"] > 0 and together["last_hold"] >= 16
