@@ -507,7 +507,7 @@ void Generation::emit(const std::string& text, const TokenLogprob* logprob) {
     std::lock_guard<std::mutex> lock(channel_->mutex);
     channel_->text += text;
     if (logprob) channel_->logprobs.push_back(*logprob);
-    text_waiting_ = text_waiting_ || !text.empty();
+    if (!text.empty()) text_waiting_ = true;
 }
 
 void Generation::hand_over_text() {

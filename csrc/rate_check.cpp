@@ -67,17 +67,11 @@ void RateCheck::start_hold(Lane& l) {
 void RateCheck::judge(Lane& l, double modelled_plain) {
     // Target-only's rate as measured; until it is, as modelled (a hold then measures it).
     const double plain = l.plain_known() ? l.plain_rate() : modelled_plain;
-    if (l.under_load) {
-        if (plain <= 0.0 || l.spec_weight < kTrySteps) return;
-        if (l.spec_rate() < plain * (1.0 + kMargin))
-            start_hold(l);
-        else if (l.retrying && l.spec_weight >= 2 * kJudgeSteps)
-            l.retrying = false;
-        return;
-    }
-    if (plain <= 0.0 || l.spec_weight < kEarlyJudgeSteps) return;
-    const double margin = l.spec_weight >= kJudgeSteps ? kMargin : kEarlyMargin;
-    if (l.spec_rate() < plain * (1.0 - margin))
+    if (plain <= 0.0 || l.spec_weight < (l.under_load ? kTrySteps : kEarlyJudgeSteps)) return;
+    // The rate speculating must reach: under load a win, otherwise no loss beyond the noise.
+    const double loss = l.spec_weight >= kJudgeSteps ? kMargin : kEarlyMargin;
+    const double bar = l.under_load ? 1.0 + kMargin : 1.0 - loss;
+    if (l.spec_rate() < plain * bar)
         start_hold(l);
     else if (l.retrying && l.spec_weight >= 2 * kJudgeSteps)
         l.retrying = false;  // the try after a hold held its own: the next hold is short

@@ -69,7 +69,7 @@ def test_under_a_grammar_only_allowed_tokens_have_probability(
 def test_streamed_logprobs_come_with_their_text(deep_decoder: sd.SpeculativeDecoder) -> None:
     """run(on_logprobs=) hands each piece's tokens' logprobs just before the piece: in order,
     all of the result's; a token held back (a possible start of a stop string) comes with the
-    text that releases it."""
+    text that releases it. (How many pieces there are depends on how often the caller woke.)"""
     events: list[tuple[str, object]] = []
     settings = sd.GenerationSettings.checked(max_tokens=16, n_draft=3, logprobs=1, stop=["\n\n\n"])
     out = deep_decoder.run(
@@ -81,7 +81,6 @@ def test_streamed_logprobs_come_with_their_text(deep_decoder: sd.SpeculativeDeco
     assert out.logprobs is not None
     streamed = [e for kind, batch in events if kind == "logprobs" for e in batch]  # type: ignore[attr-defined]
     assert out.finish_reason == "length" and streamed == out.logprobs
-    assert sum(kind == "text" for kind, _ in events) > 1
     for (kind, _), (next_kind, _) in zip(events, events[1:]):
         assert kind == "text" or next_kind == "text"  # logprobs always lead a piece of text
     assert events[-1][0] == "text"
