@@ -190,21 +190,22 @@ def conversation(
     tool_call_id) each; the tools' instructions in the system message; calls and results
     written in the generic format."""
     out: list[dict[str, str]] = []
+    after_tool = False  # consecutive tool results share one user message
     for role, content, calls, call_id in messages:
         if role == "tool":
             result = {"tool_response": {"tool_call_id": call_id, "content": content or ""}}
             text = json.dumps(result, ensure_ascii=False)
-            if out and out[-1].get("_tool_results"):
+            if after_tool:
                 out[-1]["content"] += "\n" + text
             else:
-                out.append({"role": "user", "content": text, "_tool_results": "1"})
+                out.append({"role": "user", "content": text})
+            after_tool = True
             continue
+        after_tool = False
         if role == "assistant" and calls:
             listed = [{"name": c.name, "arguments": _arguments(c)} for c in calls]
             content = json.dumps({"tool_calls": listed}, ensure_ascii=False)
         out.append({"role": role, "content": content or ""})
-    for m in out:
-        m.pop("_tool_results", None)
     if format is not None:
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {

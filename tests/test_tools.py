@@ -9,7 +9,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from llguidance import LLMatcher
 
-from specdec_native.tools import StreamedAnswer, ToolFormat, read_output
+from specdec_native.tools import StreamedAnswer, ToolCall, ToolFormat, conversation, read_output
 
 
 def test_tool_schemas_keep_their_own_references() -> None:
@@ -84,3 +84,30 @@ def test_tool_calls_are_read_whole_and_nothing_is_streamed() -> None:
         ("f", {"a": 1})
     ]
     assert read_output(text[:-3]) == (None, [])  # cut short: no calls
+
+
+def test_a_conversation_writes_calls_and_results_in_the_generic_format() -> None:
+    calls = [ToolCall("add", '{"a": 1}', "c1"), ToolCall("mul", '{"b": 2}', "c2")]
+    messages = [
+        ("user", "sums?", [], None),
+        ("assistant", None, calls, None),
+        ("tool", "1", [], "c1"),
+        ("tool", "2", [], "c2"),
+        ("assistant", "1 and 2", [], None),
+        ("tool", "3", [], "c3"),
+    ]
+    out = conversation(messages, None)
+    assert [m["role"] for m in out] == ["user", "assistant", "user", "assistant", "user"]
+    assert set(out[0]) == {"role", "content"} and all(set(m) == set(out[0]) for m in out)
+    listed = json.loads(out[1]["content"])["tool_calls"]
+    assert listed == [
+        {"name": "add", "arguments": {"a": 1}},
+        {"name": "mul", "arguments": {"b": 2}},
+    ]
+    # Results in a row share one message; one after an answer starts its own.
+    results = [json.loads(line)["tool_response"] for line in out[2]["content"].splitlines()]
+    assert results == [
+        {"tool_call_id": "c1", "content": "1"},
+        {"tool_call_id": "c2", "content": "2"},
+    ]
+    assert json.loads(out[4]["content"])["tool_response"]["tool_call_id"] == "c3"
