@@ -276,6 +276,7 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("logit_bias", &GenerateRequest::logit_bias)
         .def_readwrite("presence_penalty", &GenerateRequest::presence_penalty)
         .def_readwrite("frequency_penalty", &GenerateRequest::frequency_penalty)
+        .def_readwrite("ngram_index", &GenerateRequest::ngram_index)
         .def_property(
             "draft_rule",
             [](const GenerateRequest& r) { return std::string(draft_rule_name(r.draft_rule)); },

@@ -71,6 +71,7 @@ struct Api {
     int32_t (*matcher_consume_token)(void*, uint32_t);
     int32_t (*matcher_validate_tokens)(void*, const uint32_t*, size_t);
     int32_t (*matcher_compute_ff_tokens)(void*, uint32_t*, size_t);
+    int32_t (*matcher_rollback)(void*, size_t);
 };
 
 std::mutex api_mutex;
@@ -154,6 +155,7 @@ void load_constraint_library(const std::string& path) {
     bind(lib, "llg_matcher_consume_token", a.matcher_consume_token);
     bind(lib, "llg_matcher_validate_tokens", a.matcher_validate_tokens);
     bind(lib, "llg_matcher_compute_ff_tokens", a.matcher_compute_ff_tokens);
+    bind(lib, "llg_matcher_rollback", a.matcher_rollback);
     api = a;
     api_loaded = true;
 }
@@ -242,20 +244,33 @@ void Constraint::check(int32_t status) {
     throw std::runtime_error(std::string("the grammar failed: ") + (why ? why : "unknown error"));
 }
 
-void Constraint::mask(float* logits) {
+void Constraint::mask(float* logits) { mask(logits, n_vocab_); }
+
+bool Constraint::mask(float* logits, int n) {
     check(api.matcher_compute_mask_into(matcher_, mask_.data(), mask_.size() * sizeof(uint32_t)));
     constexpr float kForbidden = -std::numeric_limits<float>::infinity();
+    const int n_known = std::min(n, n_vocab_);
+    bool any = false;
     for (size_t w = 0; w < mask_.size(); ++w) {
-        const uint32_t allowed = mask_[w];
-        if (allowed == ~0u) continue;
         const int first = static_cast<int>(w * 32);
-        for (int t = first; t < std::min(first + 32, n_vocab_); ++t)
+        if (first >= n_known) break;
+        const int width = std::min(32, n_known - first);
+        const uint32_t allowed = width == 32 ? mask_[w] : mask_[w] & ((1u << width) - 1u);
+        any = any || allowed != 0u;
+        if (allowed == ~0u) continue;
+        for (int t = first; t < first + width; ++t)
             if (!(allowed >> (t - first) & 1u)) logits[t] = kForbidden;
     }
+    std::fill(logits + n_known, logits + std::max(n, n_known), kForbidden);
+    return any;
 }
 
 void Constraint::consume(llama_token token) {
     check(api.matcher_consume_token(matcher_, static_cast<uint32_t>(token)));
+}
+
+void Constraint::rollback(size_t n) {
+    if (n > 0) check(api.matcher_rollback(matcher_, n));
 }
 
 size_t Constraint::valid_prefix(const std::vector<llama_token>& tokens) {

@@ -54,8 +54,13 @@ class Constraint {
 
     // Sets the logits of the tokens the grammar forbids next to -inf.
     void mask(float* logits);
+    // The same for another model's `n` logits over this vocabulary (a draft model's): tokens
+    // past the grammar's vocabulary are forbidden too. False when it allows none of the `n`.
+    bool mask(float* logits, int n);
     // Advances the grammar by `token`, which it must allow.
     void consume(llama_token token);
+    // Takes back the last `n` tokens consumed (a draft's, once it is proposed).
+    void rollback(size_t n);
     // How many of `tokens`, from the first, the grammar allows from here (none consumed).
     size_t valid_prefix(const std::vector<llama_token>& tokens);
     // Replaces `out` with the tokens the grammar forces from here (at most `max`; often none):

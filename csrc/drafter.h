@@ -20,6 +20,8 @@ struct Draft {
     // q for each token when sampling; nullptr marks a point-mass draft (q = 1 on the token).
     // Pointers stay valid until the next propose().
     std::vector<const Distribution*> q;
+    // The first `forced` tokens are the grammar's (kGrammar), whatever `source` drafted after.
+    int forced = 0;
     // Sampling: the draft model drafted q's argmax, a point mass; q is kept to measure both
     // acceptance rules.
     bool point_mass = false;

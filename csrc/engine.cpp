@@ -606,7 +606,7 @@ void Engine::retire(int seq, std::exception_ptr error) {
         if (g->ended_normally() && g->policy().costs_disagree() && !any_active())
             recalibrate_after(*g);
     }
-    if (ngram_index_ && !error) {
+    if (g->ngram_index() && !error) {
         // The index is an optimisation: its failure (out of memory) must not touch a request.
         try {
             ngram_index_->add(g->prompt(), g->output());

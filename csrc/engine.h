@@ -95,8 +95,10 @@ class Engine {
         rate_check_on_.store(on);
         rate_check_under_load_.store(under_load);
     }
-    // Whether requests with a grammar draft the tokens it forces (on by default; off to measure
-    // what they bring). Requests admitted later see the change.
+    // Whether drafts know a request's grammar (on by default): its forced tokens are drafted
+    // and the draft model's q is masked to the tokens it allows. Off, to measure what that
+    // brings, drafts ignore it and are cut at their first invalid token. Requests admitted
+    // later see the change.
     void set_grammar_drafts(bool on) { grammar_drafts_.store(on); }
     // Stops every request (they end "cancelled"), refuses every later one, and returns once the
     // scheduler has stopped: after it the engine can be destroyed. Throws ReentrantCallError

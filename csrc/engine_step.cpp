@@ -104,12 +104,15 @@ void Engine::choose_ks(int row_cap) {
 }
 
 void Engine::draft_all() {
-    // N-gram matches first, then the draft model, for every sequence in one go.
+    // Forced tokens and n-gram matches first, then the draft model, for every sequence in one go.
     draft_jobs_.clear();
     by_model_.assign(decoding_.size(), false);
     for (size_t i = 0; i < decoding_.size(); ++i) {
         Generation* g = decoding_[i];
-        if (!g->draft_forced() && !g->draft_by_ngram() && g->k() > 0 && drafter_) {
+        // Forced tokens first; the draft model may go on after them, an n-gram copy does not.
+        const bool forced = g->draft_forced();
+        if (!forced && g->draft_by_ngram()) continue;
+        if (drafter_ && g->model_k() > 0) {
             draft_jobs_.push_back(g->model_job());
             by_model_[i] = true;
         }

@@ -41,6 +41,7 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
       text_(req_.stop),
       n_draft_(req_.n_draft >= 0 ? req_.n_draft : parts.default_n_draft),
       constraint_(std::move(channel_->constraint)) {
+    if (!req_.ngram_index) parts_.index = nullptr;
     const bool can_draft = parts_.drafter != nullptr || parts_.ngram;
     if (parts_.ngram) ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
     if (!can_draft) n_draft_ = 0;
@@ -216,6 +217,7 @@ void Generation::forget_draft() {
     draft_.tokens.clear();
     draft_.q.clear();
     draft_.point_mass = false;
+    draft_.forced = 0;
     draft_.caught_up = 0;
     draft_.t_catch_up = 0.0;
     draft_.non_finite = false;
@@ -235,6 +237,7 @@ bool Generation::draft_forced() {
     constraint_->forced_tokens(draft_.tokens, static_cast<size_t>(room));
     if (draft_.tokens.empty()) return false;
     draft_.source = DraftSource::kGrammar;
+    draft_.forced = static_cast<int>(draft_.tokens.size());
     draft_.q.assign(draft_.tokens.size(), nullptr);
     t_draft_step_ = seconds_since(start);
     return true;
@@ -268,11 +271,20 @@ bool Generation::drafts_argmax() const {
     return chance_argmax_ > chance_sampled_;
 }
 
+int Generation::model_k() const {
+    const int forced = draft_.forced;
+    if (forced == 0) return k_;
+    if (parts_.target.is_eog(draft_.tokens.back())) return 0;
+    return std::max(0, std::min(k_, (adaptive_ ? cap_ : k_) - forced));
+}
+
 ModelDrafter::Job Generation::model_job() {
     ModelDrafter::Job job;
     job.seq = seq_id_;
     job.committed = &seq_;
-    job.k = k_;
+    job.k = draft_.forced + model_k();
+    // Drafts that ignore the grammar (grammar_drafts off) are cut at their first invalid token.
+    job.constraint = parts_.grammar_drafts ? constraint_.get() : nullptr;
     job.p_min = req_.draft_p_min;
     job.sampling = &req_.sampling;
     job.rng = &rng_;
@@ -293,9 +305,16 @@ void Generation::drafted(double seconds) {
         if (!fallback_why_.empty()) stats().fallback_reason = fallback_why_;
     }
     falling_back_ = false;
-    stats().drafted_by[static_cast<int>(draft_.source)] += static_cast<int>(draft_.tokens.size());
-    if (draft_.point_mass) stats().n_argmax_drafted += static_cast<int>(draft_.tokens.size());
+    const int n = static_cast<int>(draft_.tokens.size());
+    count_by_source(stats().drafted_by, n);
+    if (draft_.point_mass) stats().n_argmax_drafted += n - std::min(n, draft_.forced);
     stats().t_draft += t_draft_step_;
+}
+
+void Generation::count_by_source(int (&by)[4], int n) const {
+    const int forced = std::min(n, draft_.forced);
+    by[static_cast<int>(DraftSource::kGrammar)] += forced;
+    if (draft_.source != DraftSource::kGrammar) by[static_cast<int>(draft_.source)] += n - forced;
 }
 
 void Generation::count_verdict(llama_token token) {
@@ -389,7 +408,7 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
     }
     const auto n_accepted = static_cast<int>(i);
     stats().count_acceptance(n_accepted);
-    stats().accepted_by[static_cast<int>(draft_.source)] += n_accepted;
+    count_by_source(stats().accepted_by, n_accepted);
     const double t_step_verify = t_verify + seconds_since(start);
     if (with_prompt) {
         stats().first_from_prompt = true;
@@ -405,8 +424,9 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
     stats().n_cut += static_cast<int>(step_tokens_.size()) - committed;
     hand_over_text();
     // The first token from the prompt's last chunk: no K was chosen, nothing to learn; forced
-    // tokens say nothing of the draft model or of copies.
-    if (adaptive_ && !with_prompt && draft_.source != DraftSource::kGrammar) {
+    // tokens say nothing of the draft model or of copies, and a step that holds them measures
+    // no model draft alone.
+    if (adaptive_ && !with_prompt && draft_.forced == 0) {
         StepOutcome outcome{static_cast<int>(k), n_accepted,       t_draft_step_,
                             t_step_verify,       draft_.caught_up, draft_.t_catch_up};
         outcome.shared = shared;

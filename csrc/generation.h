@@ -74,6 +74,9 @@ struct GenerateRequest {
     // generated, and by frequency_penalty times how often (the prompt does not count).
     float presence_penalty = 0.0f;
     float frequency_penalty = 0.0f;
+    // false: the request neither drafts from the engine's shared n-gram index nor adds its
+    // output to it (its own text's n-gram drafts stay).
+    bool ngram_index = true;
 };
 
 constexpr int kMaxTopLogprobs = 20;
@@ -144,7 +147,7 @@ struct EngineParts {
     SharedNgramIndex* index;  // earlier requests' outputs (null: each request's own text only)
     int default_n_draft;
     int max_draft;
-    bool grammar_drafts;  // draft the tokens a grammar forces
+    bool grammar_drafts;  // drafts know the grammar: its forced tokens, q masked by it
 };
 
 class Generation {
@@ -161,6 +164,8 @@ class Generation {
                const AdaptivePolicy& policy);
 
     llama_seq_id seq() const { return seq_id_; }
+    // The engine's shared n-gram index this request reads and feeds (null: none).
+    SharedNgramIndex* ngram_index() const { return parts_.index; }
     bool adaptive() const { return adaptive_; }
     bool greedy() const { return req_.sampling.greedy(); }
     const AdaptivePolicy& policy() const { return policy_; }
@@ -209,7 +214,10 @@ class Generation {
     // Starts this step's draft from n-gram matches, when configured (after draft_forced found
     // none); false when it found none (or k is 0).
     bool draft_by_ngram();
-    // This sequence's part in the batched model draft (k > 0 and no n-gram draft).
+    // How many tokens the draft model adds this step, after any forced ones: k, within the
+    // step's room (the cap under `auto`, k with a fixed K) that the forced tokens left.
+    int model_k() const;
+    // This sequence's part in the batched model draft (model_k() > 0 and no n-gram draft).
     ModelDrafter::Job model_job();
     // After drafting: the stats, and whether to stop trusting the draft.
     void drafted(double seconds);
@@ -220,6 +228,9 @@ class Generation {
     void advance_constraint(llama_token token);
     // The token counts the penalties read move past a verdict.
     void count_verdict(llama_token token);
+    // Adds n of this step's draft tokens, from the first, to `by` (per DraftSource): the
+    // forced ones to the grammar, the rest to the draft's source.
+    void count_by_source(int (&by)[4], int n) const;
     // Appends [last, d1..dK] to the target's batch, logits on every row.
     void add_verify_rows(Batch& batch);
     // Reads this sequence's rows of the target decode: accepted prefix plus one token of the

@@ -35,6 +35,11 @@ size_t ModelDrafter::prefill(llama_seq_id seq, const std::vector<llama_token>& c
     return stop - common;
 }
 
+llama_token ModelDrafter::token_at(const Job& job, size_t t) {
+    const auto& committed = *job.committed;
+    return t < committed.size() ? committed[t] : job.out->tokens[t - committed.size()];
+}
+
 void ModelDrafter::catch_up_all(std::vector<Job>& jobs) {
     rows_.assign(jobs.size(), -1);
     // Each sequence's share of the shared decode. A longer catch-up (after steps without
@@ -42,19 +47,22 @@ void ModelDrafter::catch_up_all(std::vector<Job>& jobs) {
     const size_t share = std::max<size_t>(1, static_cast<size_t>(batch_.capacity()) / jobs.size());
     for (Job& job : jobs) {
         const auto& committed = *job.committed;
+        const size_t end = committed.size() + job.out->tokens.size();  // forced tokens last
         // Generation::accept has rolled back this step's rejected draft already; the prefix
         // check (a scan of ints) keeps a slot that another request's tokens held honest.
         const size_t common = model_.keep_common_prefix(job.seq, committed, committed.size() - 1);
-        job.out->caught_up = static_cast<int>(committed.size() - common);
-        if (committed.size() - common > share)
-            decode_range(job.seq, committed, common, committed.size() - share, committed.size());
+        job.out->caught_up = static_cast<int>(end - common);
+        if (end - common <= share) continue;
+        const size_t head_end = end - share;
+        decode_range(job.seq, committed, common, std::min(head_end, committed.size()), end);
+        if (head_end > committed.size())
+            decode_range(job.seq, job.out->tokens, 0, head_end - committed.size(), end);
     }
     batch_.clear();
     for (size_t j = 0; j < jobs.size(); ++j) {
-        const auto& committed = *jobs[j].committed;
-        for (size_t t = model_.held(jobs[j].seq).size(); t < committed.size(); ++t)
-            batch_.add(committed[t], static_cast<llama_pos>(t), t + 1 == committed.size(),
-                       jobs[j].seq);
+        const size_t end = jobs[j].committed->size() + jobs[j].out->tokens.size();
+        for (size_t t = model_.held(jobs[j].seq).size(); t < end; ++t)
+            batch_.add(token_at(jobs[j], t), static_cast<llama_pos>(t), t + 1 == end, jobs[j].seq);
         rows_[j] = batch_.size() - 1;
     }
     decode_(model_, batch_);
@@ -63,11 +71,13 @@ void ModelDrafter::catch_up_all(std::vector<Job>& jobs) {
 bool ModelDrafter::draft_next(Job& job, int row) {
     Draft& out = *job.out;
     const int n_vocab = model_.n_vocab();
-    const float* logits = llama_get_logits_ith(model_.ctx(), row);
+    float* logits = llama_get_logits_ith(model_.ctx(), row);
     if (!all_finite(logits, n_vocab)) {
         out.non_finite = true;
         return false;
     }
+    // q masked by the grammar: the draft proposes only what the target may accept.
+    if (job.constraint && !job.constraint->mask(logits, n_vocab)) return false;
     const size_t i = out.tokens.size();
     llama_token token;
     float confidence;
@@ -90,15 +100,44 @@ bool ModelDrafter::draft_next(Job& job, int row) {
     }
     out.tokens.push_back(token);
     out.q.push_back(q);
+    if (!job.constraint) return true;
+    // The grammar has no state after an end of generation: the draft ends with it.
+    if (model_.is_eog(token)) return false;
+    job.constraint->consume(token);
+    ++job.consumed;
     return true;
 }
 
+namespace {
+// Takes back the tokens each grammar took during the draft, however the draft ended. A failed
+// rollback leaves the grammar in its error state, which fails that request's next step.
+struct GrammarRollback {
+    std::vector<ModelDrafter::Job>& jobs;
+    ~GrammarRollback() {
+        for (auto& job : jobs) {
+            if (!job.constraint) continue;
+            try {
+                job.constraint->rollback(job.consumed);
+            } catch (...) {
+            }
+            job.consumed = 0;
+        }
+    }
+};
+}  // namespace
+
 void ModelDrafter::propose(std::vector<Job>& jobs) {
     if (jobs.empty()) return;
+    GrammarRollback rollback{jobs};
     for (Job& job : jobs) {
         Draft& out = *job.out;
-        out.tokens.clear();
-        out.q.clear();
+        out.tokens.resize(static_cast<size_t>(out.forced));
+        out.q.resize(static_cast<size_t>(out.forced));
+        if (job.constraint)
+            for (llama_token t : out.tokens) {
+                job.constraint->consume(t);
+                ++job.consumed;
+            }
         out.source = DraftSource::kModel;
         out.point_mass = job.argmax && !job.sampling->greedy();
         out.non_finite = false;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "batch.h"
+#include "constraint.h"
 #include "drafter.h"
 #include "model.h"
 
@@ -26,16 +27,22 @@ class ModelDrafter {
         const SamplingParams* sampling = nullptr;
         Rng* rng = nullptr;
         bool argmax = false;  // sampling: draft q's argmax as a point mass instead of x ~ q
+        // The request's grammar, at the committed text's state: q is masked to the tokens it
+        // allows. The draft continues after out's forced tokens (out->forced), which the
+        // draft model decodes first.
+        Constraint* constraint = nullptr;
         Draft* out = nullptr;
+        size_t consumed = 0;  // tokens the grammar took during the draft, rolled back after
     };
 
-    // Drafts for every job at once (one job per sequence). Sampled from q when sampling, q's
-    // argmax when greedy; a job stops early (after at least one token) when the draft's
-    // probability of its next token is below p_min. One decode catches every sequence up with
-    // its committed text, then one decode per draft position holds a token of each sequence
-    // still drafting. The jobs give the whole committed sequence: the catch-up decodes what the
-    // cache lacks of it, and keeps only their common prefix where the cache holds something
-    // else (a slot's earlier request). Generation::accept rolls back rejected draft tokens.
+    // Drafts for every job at once (one job per sequence), after the forced tokens a job's
+    // draft holds already. Sampled from q when sampling, q's argmax when greedy; a job stops early
+    // (after at least one token) when the draft's probability of its next token is below p_min. One
+    // decode catches every sequence up with its committed text, then one decode per draft position
+    // holds a token of each sequence still drafting. The jobs give the whole committed sequence:
+    // the catch-up decodes what the cache lacks of it, and keeps only their common prefix where the
+    // cache holds something else (a slot's earlier request). Generation::accept rolls back rejected
+    // draft tokens.
     void propose(std::vector<Job>& jobs);
     // Decodes up to `budget` tokens of what the cache of `seq` lacks of committed[0..n-1) (a
     // prompt, ahead of the first draft); returns how many it decoded.
@@ -51,6 +58,8 @@ class ModelDrafter {
     void catch_up_all(std::vector<Job>& jobs);
     // Picks the job's next draft token from the logits at `row`; false when it stops there.
     bool draft_next(Job& job, int row);
+    // Token t of the job's committed text followed by its forced tokens.
+    static llama_token token_at(const Job& job, size_t t);
 
     Model& model_;
     Batch batch_;

@@ -5,8 +5,9 @@
 The workload: 8 passages (invoices, events, people, products), each to be extracted into one of
 two schemas (nested objects, arrays of objects, enums, integers, booleans), greedy, up to -n
 tokens. specdec runs in-process (its Python API: the engine the server runs): target-only under
-the grammar (K = 0), `auto` with the draft model and the grammar's forced tokens drafted, `auto`
-without the forced tokens (to measure what they bring), and K = 3. llama-server runs the same
+the grammar (K = 0), `auto` with drafts that know the grammar (its forced tokens drafted, the
+draft model's q masked by it), `auto` with drafts that ignore it (cut at their first invalid
+token, as llama-server's; to measure what knowing it brings), and K = 3. llama-server runs the same
 requests (`json_schema`, its GBNF grammar) with the draft model (`-md`, its defaults: K = 3,
 p-min 0) and without it. Reported per configuration: generated tokens per
 second of generation time (prompt excluded: specdec's stats.t_generation, llama-server's
@@ -138,7 +139,8 @@ def prompt_of(passage: str, schema: dict[str, Any]) -> str:
     )
 
 
-Outcome = tuple[int, float, bool]  # tokens, generation seconds, valid output
+# tokens, generation seconds, valid output, target passes (specdec's; 0 for llama-server)
+Outcome = tuple[int, float, bool, int]
 
 
 def _valid(text: str, schema: dict[str, Any]) -> bool:
@@ -149,14 +151,15 @@ def _valid(text: str, schema: dict[str, Any]) -> bool:
         return False
 
 
-def specdec_run(dec: sd.SpeculativeDecoder, n: int, k: int | str, forced: bool) -> list[Outcome]:
+def specdec_run(dec: sd.SpeculativeDecoder, n: int, k: int | str, aware: bool) -> list[Outcome]:
     engine = dec._engine
     assert engine is not None
-    engine.set_grammar_drafts(forced)
+    engine.set_grammar_drafts(aware)
     out = []
     for passage, schema in PASSAGES:
         r = dec.generate(prompt_of(passage, schema), n, n_draft=k, json_schema=schema)
-        out.append((r.stats.n_generated, r.stats.t_generation, _valid(r.text, schema)))
+        s = r.stats
+        out.append((s.n_generated, s.t_generation, _valid(r.text, schema), s.n_target_passes))
     engine.set_grammar_drafts(True)
     return out
 
@@ -174,7 +177,8 @@ def server_run(url: str, n: int) -> list[Outcome]:
         r = httpx.post(url + "/v1/completions", json=body, timeout=600).json()
         t = r["timings"]
         text = r["choices"][0]["text"]
-        out.append((int(t["predicted_n"]), float(t["predicted_ms"]) / 1e3, _valid(text, schema)))
+        seconds = float(t["predicted_ms"]) / 1e3
+        out.append((int(t["predicted_n"]), seconds, _valid(text, schema), 0))
     return out
 
 
@@ -211,9 +215,9 @@ def main() -> None:
     n = args.n
     runs: dict[str, Callable[[], list[Outcome]]] = {
         "specdec K=0 (target only)": lambda: specdec_run(dec, n, 0, True),
-        "specdec auto + forced tokens": lambda: specdec_run(dec, n, "auto", True),
-        "specdec auto, no forced tokens": lambda: specdec_run(dec, n, "auto", False),
-        "specdec K=3 + forced tokens": lambda: specdec_run(dec, n, 3, True),
+        "specdec auto, drafts know the grammar": lambda: specdec_run(dec, n, "auto", True),
+        "specdec auto, drafts ignore the grammar": lambda: specdec_run(dec, n, "auto", False),
+        "specdec K=3, drafts know the grammar": lambda: specdec_run(dec, n, 3, True),
     }
     for name, cmd in servers.items():
         runs[name] = lambda cmd=cmd: _with_server(cmd, n)  # type: ignore[misc]
@@ -248,16 +252,18 @@ def report(args: Any, results: dict[str, list[list[Outcome]]]) -> None:
     server = max(statistics.median(v) for k, v in rates.items() if k.startswith("llama-server"))
     print(f"{args.target.name} + {args.draft.name}, {len(PASSAGES)} prompts, greedy, -n {args.n}")
     print("| configuration | tok/s (median of rounds) | vs specdec K=0 | vs best llama-server "
-          "| valid outputs | tokens | rounds (tok/s) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| valid outputs | tokens | target passes | rounds (tok/s) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for name, runs in results.items():
         rate = statistics.median(rates[name])
         valid = sum(o[2] for run in runs for o in run)
         total = sum(len(run) for run in runs)
         tokens = sum(o[0] for o in runs[0])
+        passes = sum(o[3] for o in runs[0]) or "—"
         print(
             f"| {name} | {rate:.1f} | {rate / base:.2f}x | {rate / server:.2f}x "
-            f"| {valid}/{total} | {tokens} | {', '.join(f'{x:.1f}' for x in rates[name])} |"
+            f"| {valid}/{total} | {tokens} | {passes} "
+            f"| {', '.join(f'{x:.1f}' for x in rates[name])} |"
         )
     if args.out:
         args.out.write_text(json.dumps({"rates": rates, "runs": results}, indent=1))

@@ -39,6 +39,7 @@ class Request:
     logit_bias: list[tuple[int, float]]
     presence_penalty: float
     frequency_penalty: float
+    ngram_index: bool
     logprobs: int  # -1: none; n: the token's and its n most likely alternatives'
     def __init__(self) -> None: ...
 

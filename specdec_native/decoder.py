@@ -525,6 +525,7 @@ class GenerationSettings:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ngram_index: bool = True  # False: neither drafts from the shared index nor adds to it
 
     @classmethod
     def checked(cls, **given: Any) -> GenerationSettings:
@@ -549,6 +550,7 @@ class GenerationSettings:
             logit_bias=_check_logit_bias(d["logit_bias"]),
             presence_penalty=_check_float("presence_penalty", d["presence_penalty"]),
             frequency_penalty=_check_float("frequency_penalty", d["frequency_penalty"]),
+            ngram_index=_check_bool("ngram_index", d["ngram_index"]),
             max_tokens=_check_int("max_tokens", d["max_tokens"]),
             temperature=_check_float("temperature", d["temperature"]),
             top_k=_check_int("top_k", d["top_k"]),
@@ -599,6 +601,7 @@ class GenerationSettings:
         request.logit_bias = list(self.logit_bias)
         request.presence_penalty = self.presence_penalty
         request.frequency_penalty = self.frequency_penalty
+        request.ngram_index = self.ngram_index
         if self.constraint is not None:
             _load_llguidance()
             request.constraint_kind, request.constraint = self.constraint
@@ -965,6 +968,7 @@ class SpeculativeDecoder:
         logit_bias: dict[int, float] | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        ngram_index: bool = True,
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
@@ -995,7 +999,8 @@ class SpeculativeDecoder:
         which llguidance's converter turns into Lark), ``regex``, or ``json_object=True`` (any
         JSON object). Every token is one the grammar allows; the
         output is the target's distribution restricted to what the grammar allows, drafts
-        included (a draft is cut at its first token the grammar forbids). A grammar that does
+        included (the draft model's distribution is masked the same way; an n-gram copy is cut
+        at its first token the grammar forbids). A grammar that does
         not compile raises ValueError naming the problem; output the grammar could not finish
         within ``max_tokens`` ends with finish_reason "length".
         ``logprobs=n`` (0-20) fills ``result.logprobs``: each token's log-probability under the
@@ -1007,6 +1012,8 @@ class SpeculativeDecoder:
         once it has been generated and by how often (the prompt does not count). They change the
         target's distribution, which speculation keeps exactly: each verified position is
         penalised by the tokens before it, drafted ones included.
+        ``ngram_index=False`` keeps this call out of the decoder's shared n-gram index
+        (``ngram_index_mb``): it neither drafts from earlier requests' outputs nor adds its own.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(
@@ -1027,6 +1034,7 @@ class SpeculativeDecoder:
             logit_bias=logit_bias or {},
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
+            ngram_index=ngram_index,
         )
         return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)
 

@@ -156,6 +156,11 @@ class _Generation(_Body):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    ngram_index: bool = Field(
+        True,
+        description="false: neither draft from the server's shared n-gram index (earlier "
+        "requests' outputs) nor add this request's output to it",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

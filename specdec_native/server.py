@@ -270,6 +270,7 @@ def _job(
         logit_bias=body.token_biases,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
+        ngram_index=body.ngram_index,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, generation, body.stream, include_usage, tools)

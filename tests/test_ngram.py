@@ -130,7 +130,14 @@ def test_earlier_outputs_are_copied_exactly(deep_pair: models.ModelPair) -> None
             s = out.stats
             assert s.accepted_by_index > 0.8 * s.drafted_by_index > 10, (k, s)
             assert s.drafted_by_ngram + s.drafted_by_index == s.n_drafted
-        assert dec.ngram_index["tokens"] > 3 * 40
+        held = dec.ngram_index["tokens"]
+        assert held > 3 * 40
+        # A call kept out of the index copies nothing from it and adds nothing to it.
+        for k in (4, "auto"):
+            out = dec.generate(PLAN, 40, n_draft=k, ngram_index=False)
+            assert_same_or_near_tie(out, base, NEAR_TIE_GAP)
+            assert out.stats.drafted_by_index == 0
+        assert dec.ngram_index["tokens"] == held
     with sd.SpeculativeDecoder(deep_pair.target, "ngram", n_ctx=1024) as dec:
         dec.generate(PLAN, 40, n_draft=0)
         assert dec.generate(PLAN, 40, n_draft=4).stats.drafted_by_index == 0

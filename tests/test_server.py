@@ -247,6 +247,14 @@ def test_a_request_copies_what_an_earlier_one_wrote(chat_server: Server) -> None
     assert after[index] - before.get(index, 0) >= timings["draft_n_accepted_by_source"]["index"]
     assert after["specdec:ngram_index_tokens"] >= 2 * 40
     assert 0 < after["specdec:ngram_index_bytes"] <= 64 << 20
+    # A request kept out of the index: it copies nothing from it and adds nothing to it.
+    private = {**body, "ngram_index": False}
+    out = httpx.post(f"{chat_server.url}/v1/completions", json=private, timeout=120).json()
+    assert out["choices"][0]["text"] == first["choices"][0]["text"]
+    assert out["timings"]["draft_n_by_source"]["index"] == 0, out["timings"]
+    assert (
+        chat_server.metrics()["specdec:ngram_index_tokens"] == after["specdec:ngram_index_tokens"]
+    )
 
 
 def test_the_shared_index_outlives_a_restart(tiny_pair: models.ModelPair, tmp_path: Path) -> None:

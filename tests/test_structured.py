@@ -84,6 +84,22 @@ def test_forced_tokens_speed_a_target_without_a_draft(deep_pair: models.ModelPai
         assert alone.generate(PROMPT, 40, json_schema=USER).stats.drafted_by_grammar == 0
 
 
+def test_drafts_that_know_the_grammar_need_fewer_target_passes(deep: sd.SpeculativeDecoder) -> None:
+    """The draft model's q masked by the grammar proposes only what it allows (a draft that
+    ignores it is cut at its first invalid token), and goes on after forced tokens in the same
+    step: the same text, in fewer target passes."""
+    engine = deep._live()
+    lowercase_words = {"regex": "([a-z]+ ){12}"}  # nothing forced: the mask alone
+    for grammar in (lowercase_words, {"json_schema": USER}):
+        out = {}
+        for aware in (False, True):
+            engine.set_grammar_drafts(aware)
+            out[aware] = deep.generate(PROMPT, 60, n_draft=3, **grammar)
+        engine.set_grammar_drafts(True)
+        assert out[True].tokens == out[False].tokens, grammar
+        assert out[True].stats.n_target_passes < out[False].stats.n_target_passes, grammar
+
+
 def test_regex_and_lark_grammars_hold(deep: sd.SpeculativeDecoder) -> None:
     out = deep.generate("Call me at ", 24, regex=r"[0-9]{3}-[0-9]{4}", n_draft=3)
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.text) and out.finish_reason == "stop"
@@ -142,8 +158,10 @@ N = 20_000
 TINY_PROMPT = [1, 300, 270]
 # (the grammar, a regex of its prefixes)
 TINY_REGEX = ("[a-h ]{1,6}", "[a-h ]{0,6}")
-# ... and one that forces " abc" after its first letters: drafted as the grammar's forced tokens.
+# ... one that forces " abc" after its first letters: drafted as the grammar's forced tokens.
 FORCING_REGEX = (" abc[a-h]", "( (a(b(c[a-h]?)?)?)?)?")
+# ... and one that forces " a" only: the draft model goes on after it, under the grammar's mask.
+MIXED_REGEX = (" a[a-h ]{1,6}", "( (a[a-h ]{0,6})?)?")
 
 
 def _tiny(tiny_dir: Path, space_prefix: bool) -> Iterator[sd.SpeculativeDecoder]:
@@ -172,22 +190,27 @@ def constrained_sample(
     seed0: int,
     grammar: tuple[str, str] = TINY_REGEX,
     n: int = N,
-) -> tuple[Counter[tuple[int, ...]], int]:
-    """The outputs' counts over N seeds, and how many tokens the grammar forced and drafted."""
+    max_tokens: int = 3,
+) -> tuple[Counter[tuple[int, ...]], Counter[str]]:
+    """The outputs' counts over N seeds, and the tokens drafted by each source (stats'
+    drafted_by_grammar, drafted_by_model, ...)."""
     engine = dec._live()
     regex, prefix = grammar
     counts: Counter[tuple[int, ...]] = Counter()
     text = set()
-    forced = 0
+    drafted: Counter[str] = Counter()
     for i in range(n):
-        r = engine_request(TINY_PROMPT, 3, seed0 + i, k, constraint_kind="regex", constraint=regex)
+        r = engine_request(
+            TINY_PROMPT, max_tokens, seed0 + i, k, constraint_kind="regex", constraint=regex
+        )
         out = engine.generate(r)
         counts[tuple(out["tokens"])] += 1
         text.add(out["text"])
-        forced += out["stats"]["drafted_by_grammar"]
-    # Three tokens may stop short of a whole match: each is a prefix of one.
+        for source in ("grammar", "model"):
+            drafted[source] += out["stats"][f"drafted_by_{source}"]
+    # A few tokens may stop short of a whole match: each is a prefix of one.
     assert all(re.fullmatch(prefix, t) for t in text), text
-    return counts, forced
+    return counts, drafted
 
 
 def test_sampling_under_a_grammar_keeps_the_targets_restricted_distribution(
@@ -208,16 +231,20 @@ def test_sampling_under_a_grammar_keeps_the_targets_restricted_distribution(
 
 
 def test_forced_tokens_drafted_keep_the_distribution(near_exact: sd.SpeculativeDecoder) -> None:
-    """The tokens a grammar forces are drafted and the output keeps the target's distribution.
-    (llguidance allows only the canonical tokens of forced bytes, so such a draft is accepted
-    with certainty: the point-mass rule's p(x) is 1 there.)"""
-    n = N // 2
-    base, _ = constrained_sample(near_exact, 0, 10_000_000, FORCING_REGEX, n)
-    spec, forced = constrained_sample(near_exact, 2, 20_000_000, FORCING_REGEX, n)
-    assert forced > n // 2
-    for k in (1, 2, 3):
-        p = homogeneity_pvalue(first_tokens(base, k), first_tokens(spec, k))
-        assert p > 1e-3, f"first {k} tokens differ from target-only (p={p:.2e})"
+    """The tokens a grammar forces are drafted, alone or followed by the draft model's tokens
+    (q masked by the grammar), and the output keeps the target's distribution. (llguidance
+    allows only the canonical tokens of forced bytes, so they are accepted with certainty: the
+    point-mass rule's p(x) is 1 there.)"""
+    n = N // 4
+    for grammar, k, max_tokens in ((FORCING_REGEX, 2, 3), (MIXED_REGEX, 3, 4)):
+        base, _ = constrained_sample(near_exact, 0, 10_000_000, grammar, n, max_tokens)
+        spec, drafted = constrained_sample(near_exact, k, 20_000_000, grammar, n, max_tokens)
+        assert drafted["grammar"] > n // 2
+        if grammar is MIXED_REGEX:  # " a" is forced, then the model drafts in the same step
+            assert drafted["model"] > n
+        for j in (1, 2, 3):
+            p = homogeneity_pvalue(first_tokens(base, j), first_tokens(spec, j))
+            assert p > 1e-3, f"{grammar[0]!r}: first {j} tokens differ from target-only (p={p:.2e})"
 
 
 def test_a_space_prefix_tokenizer_does_not_break_forced_bytes(near: sd.SpeculativeDecoder) -> None:
