@@ -167,7 +167,12 @@ class Engine {
     // Whether this step must decode the target alone, as the rate check measured (all
     // decoding sequences adaptive; csrc/rate_check.h).
     bool held_to_target_only();
+    // A failure of one request's own (its grammar's, say) ends that request alone.
     void draft_all();
+    // Runs f(g); an exception from it retires g's request with it and nulls g (the caller
+    // erases the nulls from decoding_).
+    template <typename F>
+    void or_retire(Generation*& g, F&& f);
     // Into target_batch_, at most `room` rows: short prompts whole, longer ones in chunks of at
     // most `budget` rows in all.
     void add_prompt_chunks(int budget, int room);

@@ -90,16 +90,19 @@ bool Engine::held_to_target_only() {
     return rate_check_.hold_plain(n, modelled);
 }
 
+template <typename F>
+void Engine::or_retire(Generation*& g, F&& f) {
+    try {
+        f(*g);
+    } catch (...) {
+        retire(g->seq(), std::current_exception());
+        g = nullptr;
+    }
+}
+
 void Engine::choose_ks(int row_cap) {
     // A failure while choosing (an n-gram index out of memory, say) is that request's alone.
-    for (Generation*& g : decoding_) {
-        try {
-            g->choose_k(row_cap);
-        } catch (...) {
-            retire(g->seq(), std::current_exception());
-            g = nullptr;
-        }
-    }
+    for (Generation*& g : decoding_) or_retire(g, [&](Generation& gen) { gen.choose_k(row_cap); });
     decoding_.erase(std::remove(decoding_.begin(), decoding_.end(), nullptr), decoding_.end());
 }
 
@@ -108,23 +111,28 @@ void Engine::draft_all() {
     draft_jobs_.clear();
     by_model_.assign(decoding_.size(), false);
     for (size_t i = 0; i < decoding_.size(); ++i) {
-        Generation* g = decoding_[i];
-        // Forced tokens first; the draft model may go on after them, an n-gram copy does not.
-        const bool forced = g->draft_forced();
-        if (!forced && g->draft_by_ngram()) continue;
-        if (drafter_ && g->model_k() > 0) {
-            draft_jobs_.push_back(g->model_job());
-            by_model_[i] = true;
-        }
+        or_retire(decoding_[i], [&](Generation& g) {
+            // Forced tokens first; the draft model may go on after them, an n-gram copy does not.
+            const bool forced = g.draft_forced();
+            if (!forced && g.draft_by_ngram()) return;
+            if (drafter_ && g.model_k() > 0) {
+                draft_jobs_.push_back(g.model_job());
+                by_model_[i] = true;
+            }
+        });
     }
     const auto start = Clock::now();
     if (!draft_jobs_.empty()) drafter_->propose(draft_jobs_);
     const double seconds = seconds_since(start);
     step_drafted_ = false;
     for (size_t i = 0; i < decoding_.size(); ++i) {
-        decoding_[i]->drafted(by_model_[i] ? seconds : 0);
-        step_drafted_ = step_drafted_ || decoding_[i]->has_draft();
+        if (!decoding_[i]) continue;
+        or_retire(decoding_[i], [&](Generation& g) {
+            g.drafted(by_model_[i] ? seconds : 0);
+            step_drafted_ = step_drafted_ || g.has_draft();
+        });
     }
+    decoding_.erase(std::remove(decoding_.begin(), decoding_.end(), nullptr), decoding_.end());
 }
 
 namespace {

@@ -274,7 +274,8 @@ bool Generation::drafts_argmax() const {
 int Generation::model_k() const {
     const int forced = draft_.forced;
     if (forced == 0) return k_;
-    if (parts_.target.is_eog(draft_.tokens.back())) return 0;
+    // K was sized for a copy (which the forced tokens displaced), or the grammar has ended.
+    if (copying_ || parts_.target.is_eog(draft_.tokens.back())) return 0;
     return std::max(0, std::min(k_, (adaptive_ ? cap_ : k_) - forced));
 }
 
@@ -285,6 +286,7 @@ ModelDrafter::Job Generation::model_job() {
     job.k = draft_.forced + model_k();
     // Drafts that ignore the grammar (grammar_drafts off) are cut at their first invalid token.
     job.constraint = parts_.grammar_drafts ? constraint_.get() : nullptr;
+    job.target = &parts_.target;
     job.p_min = req_.draft_p_min;
     job.sampling = &req_.sampling;
     job.rng = &rng_;

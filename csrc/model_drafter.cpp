@@ -77,7 +77,7 @@ bool ModelDrafter::draft_next(Job& job, int row) {
         return false;
     }
     // q masked by the grammar: the draft proposes only what the target may accept.
-    if (job.constraint && !job.constraint->mask(logits, n_vocab)) return false;
+    if (job.constraint && !mask_draft(job, logits, n_vocab)) return false;
     const size_t i = out.tokens.size();
     llama_token token;
     float confidence;
@@ -100,17 +100,34 @@ bool ModelDrafter::draft_next(Job& job, int row) {
     }
     out.tokens.push_back(token);
     out.q.push_back(q);
-    if (!job.constraint) return true;
+    return !job.constraint || follow_draft(job, token);
+}
+
+// A grammar that fails here (past its limits, say) stops the draft: the request's own next
+// use of it reports the error, and ends that request alone.
+bool ModelDrafter::mask_draft(Job& job, float* logits, int n_vocab) {
+    try {
+        return job.constraint->mask(logits, n_vocab);
+    } catch (...) {
+        return false;
+    }
+}
+
+bool ModelDrafter::follow_draft(Job& job, llama_token token) {
     // The grammar has no state after an end of generation: the draft ends with it.
-    if (model_.is_eog(token)) return false;
-    job.constraint->consume(token);
+    if (job.target->is_eog(token)) return false;
+    try {
+        job.constraint->consume(token);
+    } catch (...) {
+        return false;
+    }
     ++job.consumed;
     return true;
 }
 
 namespace {
 // Takes back the tokens each grammar took during the draft, however the draft ended. A failed
-// rollback leaves the grammar in its error state, which fails that request's next step.
+// rollback leaves the grammar in its error state, which ends that request when it next reads it.
 struct GrammarRollback {
     std::vector<ModelDrafter::Job>& jobs;
     ~GrammarRollback() {
@@ -133,11 +150,9 @@ void ModelDrafter::propose(std::vector<Job>& jobs) {
         Draft& out = *job.out;
         out.tokens.resize(static_cast<size_t>(out.forced));
         out.q.resize(static_cast<size_t>(out.forced));
+        // A grammar that fails on them is left in its error state: the draft stops at once.
         if (job.constraint)
-            for (llama_token t : out.tokens) {
-                job.constraint->consume(t);
-                ++job.consumed;
-            }
+            for (llama_token t : out.tokens) follow_draft(job, t);
         out.source = DraftSource::kModel;
         out.point_mass = job.argmax && !job.sampling->greedy();
         out.non_finite = false;

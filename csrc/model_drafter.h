@@ -31,18 +31,19 @@ class ModelDrafter {
         // allows. The draft continues after out's forced tokens (out->forced), which the
         // draft model decodes first.
         Constraint* constraint = nullptr;
+        const Model* target = nullptr;  // with a constraint: whose end-of-generation tokens end it
         Draft* out = nullptr;
         size_t consumed = 0;  // tokens the grammar took during the draft, rolled back after
     };
 
     // Drafts for every job at once (one job per sequence), after the forced tokens a job's
     // draft holds already. Sampled from q when sampling, q's argmax when greedy; a job stops early
-    // (after at least one token) when the draft's probability of its next token is below p_min. One
-    // decode catches every sequence up with its committed text, then one decode per draft position
-    // holds a token of each sequence still drafting. The jobs give the whole committed sequence:
-    // the catch-up decodes what the cache lacks of it, and keeps only their common prefix where the
-    // cache holds something else (a slot's earlier request). Generation::accept rolls back rejected
-    // draft tokens.
+    // (after at least one token, forced ones included) when the draft's probability of its next
+    // token is below p_min. One decode catches every sequence up with its committed text, then one
+    // decode per draft position holds a token of each sequence still drafting. The jobs give the
+    // whole committed sequence: the catch-up decodes what the cache lacks of it, and keeps only
+    // their common prefix where the cache holds something else (a slot's earlier request).
+    // Generation::accept rolls back rejected draft tokens.
     void propose(std::vector<Job>& jobs);
     // Decodes up to `budget` tokens of what the cache of `seq` lacks of committed[0..n-1) (a
     // prompt, ahead of the first draft); returns how many it decoded.
@@ -58,6 +59,10 @@ class ModelDrafter {
     void catch_up_all(std::vector<Job>& jobs);
     // Picks the job's next draft token from the logits at `row`; false when it stops there.
     bool draft_next(Job& job, int row);
+    // Masks the logits by the job's grammar; false when it allows nothing or failed.
+    static bool mask_draft(Job& job, float* logits, int n_vocab);
+    // The job's grammar moves past its drafted token; false when the draft ends there.
+    static bool follow_draft(Job& job, llama_token token);
     // Token t of the job's committed text followed by its forced tokens.
     static llama_token token_at(const Job& job, size_t t);
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from helpers import engine_request
+from conftest import BATCHED_NEAR_TIE_GAP
+from helpers import assert_same_or_near_tie, engine_request
 from test_distribution import first_tokens, homogeneity_pvalue
 
 import specdec_native as sd
@@ -87,16 +88,18 @@ def test_forced_tokens_speed_a_target_without_a_draft(deep_pair: models.ModelPai
 def test_drafts_that_know_the_grammar_need_fewer_target_passes(deep: sd.SpeculativeDecoder) -> None:
     """The draft model's q masked by the grammar proposes only what it allows (a draft that
     ignores it is cut at its first invalid token), and goes on after forced tokens in the same
-    step: the same text, in fewer target passes."""
+    step: the same text (up to a near-tie), in fewer target passes."""
     engine = deep._live()
     lowercase_words = {"regex": "([a-z]+ ){12}"}  # nothing forced: the mask alone
     for grammar in (lowercase_words, {"json_schema": USER}):
         out = {}
-        for aware in (False, True):
-            engine.set_grammar_drafts(aware)
-            out[aware] = deep.generate(PROMPT, 60, n_draft=3, **grammar)
-        engine.set_grammar_drafts(True)
-        assert out[True].tokens == out[False].tokens, grammar
+        try:
+            for aware in (False, True):
+                engine.set_grammar_drafts(aware)
+                out[aware] = deep.generate(PROMPT, 60, n_draft=3, **grammar)
+        finally:
+            engine.set_grammar_drafts(True)
+        assert_same_or_near_tie(out[True], out[False], BATCHED_NEAR_TIE_GAP)
         assert out[True].stats.n_target_passes < out[False].stats.n_target_passes, grammar
 
 
