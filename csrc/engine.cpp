@@ -606,15 +606,15 @@ void Engine::retire(int seq, std::exception_ptr error) {
         if (g->ended_normally() && g->policy().costs_disagree() && !any_active())
             recalibrate_after(*g);
     }
-    if (g->ngram_index() && !error) {
+    if (SharedNgramIndex* index = g->ngram_index(); index && !error) {
         // The index is an optimisation: its failure (out of memory) must not touch a request.
         try {
-            ngram_index_->add(g->prompt(), g->output());
+            index->add(g->prompt(), g->output());
         } catch (...) {
-            ngram_index_->clear();
+            index->clear();
         }
-        index_tokens_.store(ngram_index_->n_tokens());
-        index_bytes_.store(ngram_index_->bytes());
+        index_tokens_.store(index->n_tokens());
+        index_bytes_.store(index->bytes());
     }
     g->publish(error);
 }

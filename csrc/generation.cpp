@@ -274,8 +274,8 @@ bool Generation::drafts_argmax() const {
 int Generation::model_k() const {
     const int forced = draft_.forced;
     if (forced == 0) return k_;
-    // K was sized for a copy (which the forced tokens displaced), or the grammar has ended.
-    if (copying_ || parts_.target.is_eog(draft_.tokens.back())) return 0;
+    // K was sized for a copy, which the forced tokens displaced.
+    if (copying_) return 0;
     return std::max(0, std::min(k_, (adaptive_ ? cap_ : k_) - forced));
 }
 

@@ -7,8 +7,8 @@ two schemas (nested objects, arrays of objects, enums, integers, booleans), gree
 tokens. specdec runs in-process (its Python API: the engine the server runs): target-only under
 the grammar (K = 0), `auto` with drafts that know the grammar (its forced tokens drafted, the
 draft model's q masked by it), `auto` with drafts that ignore it (cut at their first invalid
-token, as llama-server's; to measure what knowing it brings), and K = 3. llama-server runs the same
-requests (`json_schema`, its GBNF grammar) with the draft model (`-md`, its defaults: K = 3,
+token, as llama-server's; to measure what knowing it brings), and K = 3. llama-server runs the
+same requests (`json_schema`, its GBNF grammar) with the draft model (`-md`, its defaults: K = 3,
 p-min 0) and without it. Reported per configuration: generated tokens per
 second of generation time (prompt excluded: specdec's stats.t_generation, llama-server's
 timings.predicted_ms), summed over the prompts; each round runs every configuration once, in a
