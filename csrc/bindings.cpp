@@ -350,7 +350,7 @@ PYBIND11_MODULE(_core, m) {
                  return d;
              })
         .def("set_rate_check", &Engine::set_rate_check, py::arg("on"),
-             py::arg("under_load") = false)
+             py::arg("under_load") = true)
         .def("set_grammar_drafts", &Engine::set_grammar_drafts, py::arg("on"))
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())

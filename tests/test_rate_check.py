@@ -158,7 +158,7 @@ def test_sequence_counts_are_judged_apart_and_out_of_range_is_ignored() -> None:
 def test_an_engine_reports_what_it_measured(deep_pair: models.ModelPair) -> None:
     """The check is fed by real steps: after an `auto` request the engine knows its
     speculating rate for one sequence (whatever this machine makes of it); fixed-K requests
-    and an engine with the check off (the default) measure nothing."""
+    and an engine with the check off for one sequence (the default) measure nothing."""
     with sd.SpeculativeDecoder(
         deep_pair.target, deep_pair.draft, n_draft="auto", calibration_cache=False
     ) as dec:
@@ -177,15 +177,14 @@ def test_an_engine_reports_what_it_measured(deep_pair: models.ModelPair) -> None
 def test_an_engine_checks_only_steps_of_several_sequences_when_asked(
     deep_pair: models.ModelPair,
 ) -> None:
-    """With the check on under load only, two requests decoding together start held (their
-    target-only rate is measured) while a request alone is not checked."""
+    """With the check on under load only (the default), two requests decoding together start
+    held (their target-only rate is measured) while a request alone is not checked."""
     import threading
 
     with sd.SpeculativeDecoder(
         deep_pair.target, deep_pair.draft, n_draft="auto", n_parallel=2, calibration_cache=False
     ) as dec:
         dec._live().set_calibration([0.05] * 11, [0.005, 0.006])
-        dec._live().set_rate_check(False, under_load=True)
         dec.generate("def fibonacci(n):\n", max_tokens=24)
         prompts = ["def fibonacci(n):\n", "The capital of France is"]
         threads = [
