@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -349,8 +350,7 @@ PYBIND11_MODULE(_core, m) {
                  d["measured_rates"] = measured_rates(e.rate_check(), e.n_parallel());
                  return d;
              })
-        .def("set_rate_check", &Engine::set_rate_check, py::arg("on"),
-             py::arg("under_load") = true)
+        .def("set_rate_check", &Engine::set_rate_check, py::arg("on"), py::arg("under_load") = true)
         .def("set_grammar_drafts", &Engine::set_grammar_drafts, py::arg("on"))
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
@@ -416,7 +416,12 @@ PYBIND11_MODULE(_core, m) {
                  d["vocab_type"] = static_cast<int>(llama_vocab_type(m->vocab()));
                  d["bos"] = llama_vocab_bos(m->vocab());
                  d["eos"] = llama_vocab_eos(m->vocab());
-                 d["has_chat_template"] = llama_model_chat_template(m->model(), nullptr) != nullptr;
+                 const char* chat_template = llama_model_chat_template(m->model(), nullptr);
+                 d["has_chat_template"] = chat_template != nullptr;
+                 // Its text, for the tool-call formats that need the template rendered.
+                 const char* text = chat_template ? chat_template : "";
+                 d["chat_template"] = py::reinterpret_steal<py::str>(
+                     PyUnicode_DecodeUTF8(text, static_cast<Py_ssize_t>(strlen(text)), "replace"));
                  return d;
              })
         .def_property_readonly("n_draft", &Engine::n_draft)

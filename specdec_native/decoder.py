@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, SupportsFloat, SupportsIndex, Union
 
 from specdec_native import _core, calibration
+from specdec_native.tools import template_syntax
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT: int = _core.MAX_DRAFT  # the longest draft a step may verify
@@ -338,14 +339,15 @@ class ChatTemplate:
 
     name: str = ""
     jinja: Any = None  # the compiled template
+    tool_syntax: str = "generic"  # how it writes tool calls (tools.template_syntax)
 
     @classmethod
     def of(cls, template: str | None) -> ChatTemplate | None:
         if template is None:
             return None
         _check_text("chat_template", template)
-        if "{{" in template or "{%" in template:
-            return cls(jinja=_compile_jinja(template))
+        if _is_jinja(template):
+            return cls(jinja=_compile_jinja(template), tool_syntax=template_syntax(template))
         names = _core.chat_template_names()
         if template not in names:
             raise ValueError(
@@ -355,14 +357,19 @@ class ChatTemplate:
         return cls(name=template)
 
     def render(
-        self, messages: list[tuple[str, str]], add_generation_prompt: bool, eos_token: str
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        eos_token: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         import jinja2
 
         try:
             return str(
                 self.jinja.render(
-                    messages=[{"role": r, "content": c} for r, c in messages],
+                    messages=messages,
+                    tools=tools,
                     add_generation_prompt=add_generation_prompt,
                     # The prompt's tokenization adds the model's BOS: the text holds none.
                     bos_token="",
@@ -371,6 +378,66 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
+        except RecursionError:
+            raise ValueError("the chat template failed on these messages: too deep") from None
+
+
+def _is_jinja(text: str) -> bool:
+    return "{{" in text or "{%" in text
+
+
+def _to_json(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Chat templates are written for Hugging Face's tojson, which does not escape HTML.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _model_template(info: dict[str, Any]) -> ChatTemplate:
+    """The model's own chat template, compiled where tools need it rendered (a template that
+    does not compile, or knows no tools, is left to llama.cpp's reading of it)."""
+    text = info.get("chat_template") or ""
+    if not _is_jinja(text) or template_syntax(text) == "generic":
+        return ChatTemplate()
+    try:
+        return ChatTemplate(jinja=_compile_jinja(text), tool_syntax=template_syntax(text))
+    except ValueError:
+        return ChatTemplate()
+
+
+_MESSAGE_TEXT = ("role", "content", "tool_call_id")
+
+
+def _chat_message(i: int, m: Any) -> dict[str, Any]:
+    """Message i's keys the templates read, checked: role and content text, tool_call_id
+    text, tool_calls a list of calls ({"function": {"name": text, "arguments": ...}})."""
+    if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        raise ValueError("each message must be a dict with 'role' and 'content'")
+    out: dict[str, Any] = {}
+    for key in _MESSAGE_TEXT:
+        if key in m:
+            value = _check_text(f"message {i}'s {key}", m[key])
+            if "\0" in value:
+                raise ValueError(f"message {i}'s {key} contains a NUL character")
+            out[key] = value
+    if "tool_calls" in m:
+        calls = m["tool_calls"]
+        ok = isinstance(calls, list) and all(
+            isinstance(c, dict)
+            and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            for c in calls
+        )
+        if not ok:
+            raise ValueError(f"message {i}'s tool_calls must be a list of function calls")
+        out["tool_calls"] = calls
+    return out
 
 
 def _compile_jinja(text: str) -> Any:
@@ -380,8 +447,13 @@ def _compile_jinja(text: str) -> Any:
     def raise_exception(message: str) -> None:
         raise ValueError(f"the chat template refused the messages: {message}")
 
+    def strftime_now(format: str) -> str:
+        return time.strftime(format)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.filters["tojson"] = _to_json
     try:
         return env.from_string(text)
     except jinja2.TemplateError as e:
@@ -667,6 +739,7 @@ class SpeculativeDecoder:
         _check_not_forked()
         target_path = _check_model_path("target", target)
         self._chat_template = ChatTemplate.of(chat_template)
+        self._own_template: ChatTemplate | None = None  # the model's, compiled when needed
         if draft is not None and os.fspath(draft) == NGRAM:
             draft, ngram = None, True
         draft_path = None if draft is None else _check_model_path("draft", draft)
@@ -849,31 +922,55 @@ class SpeculativeDecoder:
         return self._live().token_bytes([_check_int("token", t, 0) for t in tokens])
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
         """Formats messages ([{"role": ..., "content": ...}]) with the decoder's chat template:
-        ``chat_template`` as given to the constructor, else the model's own."""
-        pairs = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError("each message must be a dict with 'role' and 'content'")
-            for key in ("role", "content"):
-                value = _check_text(f"message {i}'s {key}", m[key])
-                if "\0" in value:
-                    raise ValueError(f"message {i}'s {key} contains a NUL character")
-            pairs.append((m["role"], m["content"]))
-        if not pairs:
+        ``chat_template`` as given to the constructor, else the model's own.
+
+        ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects) or
+        "tool_call_id", need a Jinja template that takes tools (``tool_syntax`` "hermes")."""
+        checked = [_chat_message(i, m) for i, m in enumerate(messages)]
+        if not checked:
             raise ValueError("messages must not be empty")
         _check_bool("add_generation_prompt", add_generation_prompt)
         engine = self._live()
-        template = self._chat_template
+        with_tools = tools is not None or any(len(m) > 2 for m in checked)
+        template = self._tools_template() if with_tools else self._chat_template
+        if with_tools and template is None:
+            raise ValueError(
+                "tools need a chat template that takes them (tool_syntax 'hermes'); this "
+                "decoder's writes tool calls in the generic format (specdec_native.tools)"
+            )
         if template is not None and template.jinja is not None:
             eos = engine.model_info(False)["eos"]
             eos_text = engine.detokenize([eos]) if eos >= 0 else ""
-            return template.render(pairs, add_generation_prompt, eos_text)
+            listed = None if tools is None else [dict(t) for t in tools]
+            return template.render(checked, add_generation_prompt, eos_text, listed)
+        pairs = [(m["role"], m["content"]) for m in checked]
         return engine.apply_chat_template(
             pairs, add_generation_prompt, template.name if template else ""
         )
+
+    @property
+    def tool_syntax(self) -> str:
+        """How the chat template writes tool calls: "hermes" where it takes the tools and
+        writes calls in <tool_call> tags (the server then renders tools through it), else
+        "generic" (the server's own JSON format: specdec_native.tools)."""
+        return "generic" if self._tools_template() is None else "hermes"
+
+    def _tools_template(self) -> ChatTemplate | None:
+        """The Jinja template that renders tools: the one given, else the model's own; None
+        where neither takes tools."""
+        template = self._chat_template
+        if template is None:
+            if self._own_template is None:
+                self._own_template = _model_template(self._live().model_info(False))
+            template = self._own_template
+        return template if template.tool_syntax != "generic" else None
 
     def next_token_logits(self, tokens: Prompt, *, batched: bool = True) -> list[float]:
         """The target's logits for the token after ``tokens``, read afresh: in batches (as the

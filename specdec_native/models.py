@@ -453,8 +453,10 @@ def write_tiny_model(
     output_noise: float = 0.0,
     noise_seed: int = 1,
     space_prefix: bool = True,
+    chat_template: str | None = None,
 ) -> Path:
-    """A random llama-architecture model with a ~320-token SentencePiece vocabulary.
+    """A random llama-architecture model with a ~320-token SentencePiece vocabulary (and
+    ``chat_template`` as its own, if given).
 
     ``output_noise`` adds N(0, output_noise^2) to the output head (drawn from ``noise_seed``):
     the same seed with noise gives a draft that differs from its target by a known amount.
@@ -493,6 +495,8 @@ def write_tiny_model(
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_add_space_prefix(space_prefix)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, np.sqrt(n_embd)))
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))

@@ -180,30 +180,30 @@ class _Generation(_Body):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    @property
-    def tool_format(self) -> ToolFormat | None:
-        """What the tools and tool_choice ask of the output; None where no tool may be called."""
+    def tool_format(self, syntax: str = "generic") -> ToolFormat | None:
+        """What the tools and tool_choice ask of the output, calls written in `syntax`
+        (tools.SYNTAXES); None where no tool may be called."""
         try:
             answer = self._response_schema
-            return tool_format(self.tools, self.tool_choice, self.parallel_tool_calls, answer)
+            return tool_format(
+                self.tools, self.tool_choice, self.parallel_tool_calls, answer, syntax
+            )
         except ToolError as e:
             raise BodyError(str(e), str(e).split(":")[0]) from None
 
-    @property
-    def constraint(self) -> tuple[str, str] | None:
-        """The grammar the output must match, as (kind, text): the tools' format, else
-        response_format, llama-server's json_schema or its grammar (BodyError when more than
-        one is given)."""
+    def constraint(self, tools: ToolFormat | None) -> tuple[str, str] | None:
+        """The grammar the output must match, as (kind, text): that of `tools` (the body's
+        tool_format), else response_format, llama-server's json_schema or its grammar
+        (BodyError when more than one is given)."""
         if self.grammar:
-            if self.tool_format is not None or self._response_schema is not None:
+            if tools is not None or self._response_schema is not None:
                 raise BodyError(
                     "give one of grammar, response_format, json_schema and tools", "grammar"
                 )
             return ("lark", self.grammar)
-        tools = self.tool_format
         if tools is not None:
             try:
-                return ("json_schema", json.dumps(tools.schema()))
+                return tools.constraint()
             except ToolError as e:
                 raise BodyError(str(e), "tools") from None
             except RecursionError:

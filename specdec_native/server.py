@@ -48,7 +48,13 @@ from specdec_native.openai_api import (
     parse_body,
     read_json,
 )
-from specdec_native.tools import StreamedAnswer, ToolFormat, conversation, read_output
+from specdec_native.tools import (
+    StreamedAnswer,
+    StreamedText,
+    ToolFormat,
+    conversation,
+    template_conversation,
+)
 
 log = logging.getLogger("specdec.server")
 
@@ -243,10 +249,11 @@ def _job(
     settings: ServerSettings,
 ) -> Job:
     """Maps a validated body to a generation."""
-    tools = body.tool_format
+    syntax = decoder.tool_syntax if isinstance(body, ChatCompletionRequest) else "generic"
+    tools = body.tool_format(syntax)
+    constraint = body.constraint(tools)
     if isinstance(body, ChatCompletionRequest):
-        messages = conversation([m.for_tools() for m in body.messages], tools)
-        prompt: str | list[int] = decoder.apply_chat_template(messages)
+        prompt: str | list[int] = _chat_prompt(body, tools, syntax, decoder)
     else:
         prompt = body.prompt
     spec = body.speculative
@@ -265,7 +272,7 @@ def _job(
         deadline=(
             time.monotonic() + settings.request_timeout if settings.request_timeout else None
         ),
-        constraint=body.constraint,
+        constraint=constraint,
         logprobs=body.n_logprobs,
         logit_bias=body.token_biases,
         presence_penalty=body.presence_penalty or 0.0,
@@ -274,6 +281,21 @@ def _job(
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, generation, body.stream, include_usage, tools)
+
+
+def _chat_prompt(
+    body: ChatCompletionRequest,
+    tools: ToolFormat | None,
+    syntax: str,
+    decoder: SpeculativeDecoder,
+) -> str:
+    """The chat's prompt: tools and calls rendered by the chat template where it takes them,
+    else written in the generic format."""
+    messages = [m.for_tools() for m in body.messages]
+    if syntax == "generic":
+        return decoder.apply_chat_template(conversation(messages, tools))
+    listed = None if tools is None else tools.template_tools()
+    return decoder.apply_chat_template(template_conversation(messages), tools=listed)
 
 
 def _refusal(e: BaseException) -> RequestError:
@@ -673,7 +695,7 @@ class Server:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
         choice["logprobs"] = self._logprobs(run, result.logprobs)
         if run.chat and run.job.tools is not None:
-            content, calls = read_output(result.text)
+            content, calls = run.job.tools.read(result.text)
             choice["message"] = {
                 "role": "assistant",
                 "content": result.text if content is None and not calls else content,
@@ -745,10 +767,13 @@ class Server:
             "text_offset": offsets,
         }
 
-    def _answer_end(self, run: Run, answer: StreamedAnswer, text: str) -> list[dict[str, Any]]:
+    def _answer_end(
+        self, run: Run, answer: StreamedAnswer | StreamedText, text: str
+    ) -> list[dict[str, Any]]:
         """The chunks a streamed output with tools ends with: its tool calls, or what of the
         answer was not streamed yet (all of it, if it was no string or is incomplete)."""
-        content, calls = read_output(text)
+        assert run.job.tools is not None
+        content, calls = run.job.tools.read(text)
         deltas: list[dict[str, Any]]
         if calls:
             deltas = [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
@@ -767,7 +792,7 @@ class Server:
                 first = self._chunk(run, None, None)
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield json.dumps(first)
-            answer = StreamedAnswer() if run.job.tools is not None else None
+            answer = None if run.job.tools is None else run.job.tools.streamed()
             # Each chunk carries its tokens' logprobs; with tools, whose text is rewritten as it
             # streams, the last chunk carries them all.
             sent, offset = 0, 0

@@ -1,15 +1,27 @@
-"""Tool calls in a generic JSON format, for models whatever their chat template.
+"""Tool calls: in the model's own format where its chat template has one, else in a generic
+JSON format, for models whatever their chat template. Either way a grammar built from the
+tools' parameter schemas holds the output to the format.
 
-The model sees the tools in a system message and answers with one JSON object, constrained by
-a grammar built from the tools' parameter schemas:
+The generic format: the model sees the tools in a system message and answers with one JSON
+object:
 
     {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
     {"response": "It is sunny."}
 
-`tool_choice` picks which of the two the grammar allows ("auto": either; "required": a call;
-a named function: a call of it). Earlier calls and tool results in the conversation are written
-back in the same format: an assistant's calls as its JSON, the tools' results as a user message
-(templates that only know user and assistant turns take that too).
+Earlier calls and tool results in the conversation are written back in the same format: an
+assistant's calls as its JSON, the tools' results as a user message (templates that only know
+user and assistant turns take that too).
+
+The "hermes" format, of chat templates that take `tools` and write calls in <tool_call> tags
+(Qwen 2.5 and 3, Hermes, SmolLM3, ...): the template renders the tools and the conversation,
+calls included, and the model answers in text or with calls, one JSON object per tag:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+In both, `tool_choice` picks what the grammar allows ("auto": an answer or calls; "required":
+calls; a named function: calls of it).
 """
 
 from __future__ import annotations
@@ -22,6 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOOLS = 128
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+SYNTAXES = ("generic", "hermes")
+
+
+def template_syntax(template: str) -> str:
+    """The tool-call format a Jinja chat template's text writes: "hermes" where it takes the
+    tools and writes calls in <tool_call> tags, else "generic" (the template knows no tools)."""
+    takes_tools = re.search(r"\btools\b", template) is not None
+    return "hermes" if takes_tools and CALL_OPEN in template else "generic"
 
 
 class ToolError(ValueError):
@@ -51,22 +72,33 @@ class ToolFormat:
     choice: str  # "auto", "required", or a function's name
     parallel: bool
     response_schema: dict[str, Any] | bool | None  # the answer's schema (response_format)
+    syntax: str = "generic"  # how calls are written: one of SYNTAXES
 
-    def schema(self) -> dict[str, Any]:
-        """The JSON schema of the whole output."""
+    def constraint(self) -> tuple[str, str]:
+        """The grammar of the whole output, as (kind, text) for the engine."""
+        if self.syntax == "hermes":
+            return ("lark", self._hermes_grammar())
+        return ("json_schema", json.dumps(self.schema()))
+
+    def _calls(self, defs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The schema of each call the choice allows: {"name": ..., "arguments": {...}}."""
         called = self.functions
         if self.choice not in ("auto", "required"):
             called = [f for f in self.functions if f["name"] == self.choice]
-        defs: dict[str, Any] = {}
-        calls = [
+        return [
             _object(
                 {
                     "name": {"const": f["name"]},
-                    "arguments": _embedded(f["parameters"], f"tool{i}", defs),
+                    "arguments": _embedded(_closed(f["parameters"]), f"tool{i}", defs),
                 }
             )
             for i, f in enumerate(called)
         ]
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema of the whole output in the generic format."""
+        defs: dict[str, Any] = {}
+        calls = self._calls(defs)
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             array["maxItems"] = 1
@@ -76,6 +108,47 @@ class ToolFormat:
             answer = {"type": "string"} if answer is None else _embedded(answer, "response", defs)
             out = {"anyOf": [out, _object({"response": answer})]}
         return {**out, "$defs": defs} if defs else out
+
+    def _hermes_grammar(self) -> str:
+        """The Lark grammar (llguidance's, with embedded JSON schemas) of the output in the
+        hermes format: calls in tags, or (tool_choice "auto") an answer, text with no tag in
+        it or JSON of the response format's schema."""
+        defs: dict[str, Any] = {}
+        calls = self._calls(defs)
+        call: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+        if defs:
+            call = {**call, "$defs": defs}
+        # Calls on one line, spaced as the templates write them back (json.dumps).
+        call["x-guidance"] = {
+            "whitespace_flexible": False,
+            "item_separator": ", ",
+            "key_separator": ": ",
+        }
+        lines = [
+            f'call: "{CALL_OPEN}\\n" %json {json.dumps(call)} "\\n{CALL_CLOSE}"',
+            'calls: call ("\\n" call)*' if self.parallel else "calls: call",
+        ]
+        if self.choice != "auto":
+            return "\n".join(["start: calls", *lines])
+        if self.response_schema is None:
+            answer = "TEXT"
+            lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/")
+        else:
+            answer = f"%json {json.dumps(self.response_schema)}"
+        return "\n".join([f"start: calls | {answer}", *lines])
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them (OpenAI's shape)."""
+        return [{"type": "function", "function": f} for f in self.functions]
+
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The output as (content, tool calls); None for text that is not a complete output
+        of the format (cut short by max_tokens, say)."""
+        return read_hermes(text) if self.syntax == "hermes" else read_output(text)
+
+    def streamed(self) -> StreamedAnswer | StreamedText:
+        """A reader of the output as it comes, giving the answer's text once it is known."""
+        return StreamedText() if self.syntax == "hermes" else StreamedAnswer()
 
     def instructions(self) -> str:
         """The system message's text that tells the model the tools and the format."""
@@ -128,6 +201,29 @@ def _rebased(schema: Any, base: str) -> Any:
     return out
 
 
+def _closed(schema: Any) -> Any:
+    """`schema` with objects that list their properties closed to others where it does not say
+    (additionalProperties false), as llama.cpp reads tool schemas: a function takes no
+    arguments it does not name, and small models asked for open objects invent keys."""
+    if isinstance(schema, list):
+        return [_closed(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _closed(v) for name, v in value.items()}
+        else:
+            out[key] = _closed(value)
+    if isinstance(out.get("properties"), dict) and not (
+        {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out)
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 def _object(properties: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
@@ -142,9 +238,10 @@ def tool_format(
     tool_choice: Any,
     parallel: bool | None,
     response_schema: dict[str, Any] | bool | None,
+    syntax: str = "generic",
 ) -> ToolFormat | None:
-    """The format a request's `tools` and `tool_choice` ask for; None where no tool may be
-    called (no tools, or tool_choice "none")."""
+    """The format a request's `tools` and `tool_choice` ask for, calls written in `syntax`;
+    None where no tool may be called (no tools, or tool_choice "none")."""
     functions = [_function(t) for t in tools or []]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
@@ -156,7 +253,7 @@ def tool_format(
         return None
     if choice not in ("auto", "required") and choice not in names:
         raise ToolError(f"tool_choice: no tool is named {choice!r}")
-    return ToolFormat(functions, choice, parallel is not False, response_schema)
+    return ToolFormat(functions, choice, parallel is not False, response_schema, syntax)
 
 
 def _function(tool: Any) -> dict[str, Any]:
@@ -164,10 +261,10 @@ def _function(tool: Any) -> dict[str, Any]:
     parameters = function.parameters
     if parameters is None or parameters == {}:
         parameters = {"type": "object"}
-    out = {"name": function.name, "parameters": parameters}
+    out = {"name": function.name}  # in OpenAI's order, as templates show them
     if function.description:
         out["description"] = function.description
-    return out
+    return {**out, "parameters": parameters}
 
 
 def _choice(tool_choice: Any, have_tools: bool) -> str:
@@ -217,6 +314,29 @@ def conversation(
     return out
 
 
+def template_conversation(
+    messages: list[tuple[str, str | None, list[ToolCall], str | None]],
+) -> list[dict[str, Any]]:
+    """The messages as a chat template that knows tools takes them: (role, content,
+    tool_calls, tool_call_id) each, calls with their arguments as objects."""
+    out: list[dict[str, Any]] = []
+    for role, content, calls, call_id in messages:
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": _arguments(c)},
+                }
+                for c in calls
+            ]
+        if role == "tool" and call_id is not None:
+            message["tool_call_id"] = call_id
+        out.append(message)
+    return out
+
+
 def _arguments(call: ToolCall) -> Any:
     try:
         return json.loads(call.arguments)
@@ -243,6 +363,53 @@ def read_output(text: str) -> tuple[str | None, list[ToolCall]]:
         answer = value["response"]
         return (answer if isinstance(answer, str) else json.dumps(answer)), []
     return None, []
+
+
+_HERMES_CALLS = re.compile(rf"(?:\n?{CALL_OPEN}\n(.*?)\n{CALL_CLOSE})+", re.DOTALL)
+_HERMES_CALL = re.compile(rf"{CALL_OPEN}\n(.*?)\n{CALL_CLOSE}", re.DOTALL)
+
+
+def read_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Output in the hermes format as (content, tool calls): text with no tag is an answer;
+    calls must be complete tags of JSON objects with a name and arguments, else None, []."""
+    if not text.startswith(CALL_OPEN):
+        return text, []
+    if _HERMES_CALLS.fullmatch(text) is None:
+        return None, []
+    calls = []
+    for body in _HERMES_CALL.findall(text):
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return None, []
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None, []
+        arguments = value.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(value["name"], arguments))
+    return None, calls
+
+
+class StreamedText:
+    """Reads hermes output as it comes: text is the answer, given as it comes once it cannot
+    be the start of a call; calls are read whole at the end."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.streamed = ""  # the answer's text given so far
+        self._answer = False  # known to be an answer
+
+    def feed(self, piece: str) -> Iterator[str]:
+        self.text += piece
+        if not self._answer:
+            if CALL_OPEN.startswith(self.text) or self.text.startswith(CALL_OPEN):
+                return
+            self._answer = True
+            piece = self.text
+        if piece:
+            self.streamed += piece
+            yield piece
 
 
 _ANSWER_START = re.compile(r'\s*\{\s*"response"\s*:\s*"')

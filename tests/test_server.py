@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import httpx
 import jsonschema  # type: ignore[import-untyped]
@@ -23,6 +23,7 @@ import pytest
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 from server_process import ROOT, Server, free_port, start, wait_ready
 
+import specdec_native as sd
 from specdec_native import models
 
 
@@ -39,6 +40,36 @@ def client(chat_server: Server) -> openai.OpenAI:
 
 
 GREEDY_TARGET_ONLY = {"speculative": {"n_max": 0}}
+TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
+
+
+@pytest.fixture(scope="module")
+def hermes_server(smollm2_q40: Path) -> Iterator[Server]:
+    """The chat server with a chat template that takes tools and writes calls in
+    <tool_call> tags: tools go through the template ("hermes" format)."""
+    server = start(
+        smollm2_q40, "--draft", "ngram", "-c", "1024", "--model-alias", "smol",
+        "--chat-template", TOOLS_TEMPLATE,
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+class ToolServer(NamedTuple):
+    server: Server
+    client: openai.OpenAI
+    syntax: str  # how its chat template writes tool calls
+
+
+@pytest.fixture(scope="module", params=["generic", "hermes"])
+def tools_at(request: pytest.FixtureRequest) -> ToolServer:
+    """A server per tool-call format: the generic JSON one (a template that knows no tools)
+    and the template's own."""
+    server: Server = request.getfixturevalue(
+        f"{'chat' if request.param == 'generic' else 'hermes'}_server"
+    )
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return ToolServer(server, client, request.param)
 
 
 def test_models_and_health(chat_server: Server, client: openai.OpenAI) -> None:
@@ -557,9 +588,10 @@ def _check_call(call: object, name: str | None = None) -> dict[str, object]:
     return arguments  # type: ignore[no-any-return]
 
 
-def test_a_tool_round_trip(client: openai.OpenAI) -> None:
+def test_a_tool_round_trip(tools_at: ToolServer, smollm2_q40: Path) -> None:
     """A named tool is called with arguments its schema allows; its result goes back as a tool
     message; the answer after it, with tool_choice "none", is text."""
+    client = tools_at.client
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "What is the weather in Paris?"}
     ]
@@ -577,6 +609,14 @@ def test_a_tool_round_trip(client: openai.OpenAI) -> None:
     assert choice.message.tool_calls
     for call in choice.message.tool_calls:
         _check_call(call, "get_weather")
+    if tools_at.syntax == "hermes":  # the prompt is the template's, tools and all
+        with sd.SpeculativeDecoder(
+            smollm2_q40, chat_template=TOOLS_TEMPLATE.read_text(), n_ctx=1024
+        ) as dec:
+            prompt = dec.apply_chat_template(messages, tools=WEATHER_TOOLS)  # type: ignore[arg-type]
+            assert r.usage and r.usage.prompt_tokens == len(
+                dec.tokenize(prompt, parse_special=True)
+            )
     messages.append(choice.message.model_dump(exclude_none=True))  # type: ignore[arg-type]
     for call in choice.message.tool_calls:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."})
@@ -618,7 +658,8 @@ def test_a_tool_round_trip(client: openai.OpenAI) -> None:
         temperature=0,
     )
     assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
-    assert (r.choices[0].message.content or "").lstrip().startswith("{")
+    start = "{" if tools_at.syntax == "generic" else "<tool_call>"
+    assert (r.choices[0].message.content or "").lstrip().startswith(start)
 
 
 class Place(pydantic.BaseModel):
@@ -635,9 +676,10 @@ class Plan(pydantic.BaseModel):
     stops: list[Place] = pydantic.Field(max_length=3)
 
 
-def test_tools_and_answers_from_nested_pydantic_models(client: openai.OpenAI) -> None:
+def test_tools_and_answers_from_nested_pydantic_models(tools_at: ToolServer) -> None:
     """Schemas with $defs (pydantic writes one per nested model) as a tool's parameters and as
     the answer's format next to tools: the client's parse() reads both back into the models."""
+    client = tools_at.client
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Book a trip from Paris to Rome."}
     ]
@@ -693,8 +735,9 @@ def _streamed(client: openai.OpenAI, **request: object) -> tuple[str, list[dict[
 
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
 def test_streamed_tool_calls_are_the_same_as_unstreamed(
-    client: openai.OpenAI, tool_choice: str
+    tools_at: ToolServer, tool_choice: str
 ) -> None:
+    client = tools_at.client
     request = {
         "model": "smol",
         "messages": [{"role": "user", "content": "Weather and time in Rome, please."}],
@@ -747,7 +790,7 @@ def test_tool_messages_that_cannot_be_read_are_400s(chat_server: Server) -> None
         assert r.status_code == 400, r.text
 
 
-def test_a_langchain_agent_loop_over_two_tools(chat_server: Server) -> None:
+def test_a_langchain_agent_loop_over_two_tools(tools_at: ToolServer) -> None:
     """LangChain's ChatOpenAI against the server: the model calls one tool, then the other,
     each result goes back as a ToolMessage, and the last call answers in text."""
     from langchain_core.messages import AIMessageChunk, BaseMessage, HumanMessage, ToolMessage
@@ -766,11 +809,11 @@ def test_a_langchain_agent_loop_over_two_tools(chat_server: Server) -> None:
         return f"It is noon in {city}."
 
     llm = ChatOpenAI(
-        base_url=chat_server.url + "/v1",
+        base_url=tools_at.server.url + "/v1",
         api_key="none",  # type: ignore[arg-type]
         model="smol",
         temperature=0,
-        max_completion_tokens=60,
+        max_completion_tokens=150,
         max_retries=0,
     )
     tools = {"get_weather": get_weather, "get_time": get_time}

@@ -255,3 +255,43 @@ def test_a_space_prefix_tokenizer_does_not_break_forced_bytes(near: sd.Speculati
     that tokenizer for forced bytes (it then refused tokens its own mask allowed)."""
     counts, _ = constrained_sample(near, 2, 30_000_000, FORCING_REGEX, 300)
     assert sum(counts.values()) == 300
+
+
+def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -> None:
+    """A GGUF whose own chat template takes tools: they are rendered through it, and calls
+    generated under the hermes grammar read back as a call of the named tool, with arguments
+    its schema allows, greedy and sampled, with drafts and without."""
+    from specdec_native.tools import ToolFormat
+
+    template = (Path(__file__).parent / "templates" / "chatml-tools.jinja").read_text()
+    target = models.write_tiny_model(tmp_path / "tools.gguf", chat_template=template)
+    draft = models.write_tiny_model(tmp_path / "draft.gguf", output_noise=0.5)
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    functions = [{"name": "weather", "parameters": weather}, {"name": "time", "parameters": {}}]
+    tools = ToolFormat(functions, "weather", False, None, "hermes")
+    with sd.SpeculativeDecoder(target, draft, n_draft=3, n_ctx=1024, n_threads=1) as dec:
+        assert dec.tool_syntax == "hermes"
+        prompt = dec.apply_chat_template(
+            [{"role": "user", "content": "weather?"}], tools=tools.template_tools()
+        )
+        assert '"name": "weather"' in prompt and "<tools>" in prompt
+        kind, grammar = tools.constraint()
+        for temperature, k in ((0.0, 3), (0.8, 3), (0.0, 0)):
+            out = dec.generate(
+                prompt, 200, temperature=temperature, seed=7, n_draft=k, grammar=grammar
+            )
+            assert out.finish_reason == "stop", out.text
+            content, calls = tools.read(out.text)
+            assert content is None and [c.name for c in calls] == ["weather"]
+            jsonschema.validate(json.loads(calls[0].arguments), weather)
+    # A template that knows no tools: tools are the server's generic format, not the template's.
+    plain = models.write_tiny_model(tmp_path / "plain.gguf", chat_template="{{ messages }}")
+    with sd.SpeculativeDecoder(plain, n_ctx=256, n_threads=1) as dec:
+        assert dec.tool_syntax == "generic"
+        with pytest.raises(ValueError, match="tools need a chat template"):
+            dec.apply_chat_template([{"role": "user", "content": "x"}], tools=[])

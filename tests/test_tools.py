@@ -1,15 +1,29 @@
-"""The generic tool-call format: its schema, and read back as it streams (no model)."""
+"""The tool-call formats (generic JSON and <tool_call> tags): their grammars, the chat template's
+view of a conversation, and output read back as it streams (no model)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema  # type: ignore[import-untyped]
 from hypothesis import example, given
 from hypothesis import strategies as st
-from llguidance import LLMatcher
+from llguidance import LLMatcher, grammar_from
 
-from specdec_native.tools import StreamedAnswer, ToolCall, ToolFormat, conversation, read_output
+from specdec_native.tools import (
+    StreamedAnswer,
+    StreamedText,
+    ToolCall,
+    ToolFormat,
+    conversation,
+    read_hermes,
+    read_output,
+    template_conversation,
+    template_syntax,
+)
+
+TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
 
 
 def test_tool_schemas_keep_their_own_references() -> None:
@@ -111,3 +125,112 @@ def test_a_conversation_writes_calls_and_results_in_the_generic_format() -> None
         {"tool_call_id": "c2", "content": "2"},
     ]
     assert json.loads(out[4]["content"])["tool_response"]["tool_call_id"] == "c3"
+
+
+def test_a_template_that_takes_tools_and_writes_tags_is_hermes() -> None:
+    assert template_syntax(TOOLS_TEMPLATE.read_text()) == "hermes"
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% endfor %}"
+    assert template_syntax(chatml) == "generic"
+    # Tags alone, or tools alone, are not a format the server can read back.
+    assert template_syntax(chatml + "<tool_call>") == "generic"
+    assert template_syntax(chatml + "{{ tools }}") == "generic"
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "$defs": {"Unit": {"enum": ["C", "F"]}},
+}
+
+
+def test_hermes_grammars_compile_for_every_choice() -> None:
+    functions = [{"name": "weather", "parameters": WEATHER}, {"name": "time", "parameters": {}}]
+    for choice in ("auto", "required", "time"):
+        for parallel in (True, False):
+            for answer in (None, {"type": "object"}):
+                tools = ToolFormat(functions, choice, parallel, answer, "hermes")
+                kind, text = tools.constraint()
+                assert kind == "lark"
+                assert LLMatcher.validate_grammar(grammar_from("lark", text)) == "", text
+                assert ("TEXT" in text) == (choice == "auto" and answer is None)
+                assert ('("\\n" call)*' in text) == parallel
+    generic = ToolFormat(functions, "auto", True, None).constraint()
+    assert generic[0] == "json_schema" and "tool_calls" in generic[1]
+
+
+def test_hermes_output_is_read_as_calls_or_text() -> None:
+    two = (
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    )
+    content, calls = read_hermes(two)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    assert read_hermes(two[:-4]) == (None, [])  # cut short: no calls
+    assert read_hermes('<tool_call>\n{"name": 3}\n</tool_call>') == (None, [])
+    assert read_hermes("<tool_call>\nnot json\n</tool_call>") == (None, [])
+    assert read_hermes("Sunny, 21 C.") == ("Sunny, 21 C.", [])
+    tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, None, "hermes")
+    assert tools.read(two)[1] and isinstance(tools.streamed(), StreamedText)
+
+
+@given(
+    answer=st.text(min_size=1).filter(lambda t: not t.startswith("<tool_call>")),
+    cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12),
+)
+@example(answer="<tool_", cuts=[1, 3])
+@example(answer="<tool_cal!", cuts=[5])
+def test_hermes_text_streams_once_it_cannot_be_a_call(answer: str, cuts: list[int]) -> None:
+    bounds = sorted({0, len(answer), *(c % (len(answer) + 1) for c in cuts)})
+    reader = StreamedText()
+    given_text = "".join(
+        part for a, b in zip(bounds, bounds[1:]) for part in reader.feed(answer[a:b])
+    )
+    # All of it, unless it is still a prefix of the tag (the end gives the rest).
+    assert given_text == reader.streamed == ("" if "<tool_call>".startswith(answer) else answer)
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    calls = StreamedText()
+    assert [p for i in range(len(call)) for p in calls.feed(call[i])] == []
+
+
+def test_a_template_sees_calls_and_results_as_they_were() -> None:
+    calls = [ToolCall("add", '{"a": 1}', "c1")]
+    out = template_conversation(
+        [("user", "sum?", [], None), ("assistant", None, calls, None), ("tool", "1", [], "c1")]
+    )
+    assert out == [
+        {"role": "user", "content": "sum?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+            ],
+        },
+        {"role": "tool", "content": "1", "tool_call_id": "c1"},
+    ]
+
+
+def test_tool_arguments_name_only_their_properties_unless_told() -> None:
+    # As llama.cpp reads tool schemas: objects that list properties take no others, unless
+    # their schema says so; the schema the model is shown stays the caller's.
+    open_object = {"type": "object", "properties": {"city": {"type": "string"}}}
+    told = {**open_object, "additionalProperties": True}
+    nested = {"type": "object", "properties": {"where": open_object}}
+    functions = [
+        {"name": "closed", "parameters": open_object},
+        {"name": "told", "parameters": told},
+        {"name": "nested", "parameters": nested},
+    ]
+    tools = ToolFormat(functions, "required", True, None)
+    valid = jsonschema.Draft202012Validator(tools.schema()).is_valid
+
+    def call(name: str, arguments: object) -> object:
+        return {"tool_calls": [{"name": name, "arguments": arguments}]}
+
+    assert valid(call("closed", {"city": "Oslo"}))
+    assert not valid(call("closed", {"city": "Oslo", "type": "string"}))
+    assert valid(call("told", {"city": "Oslo", "type": "string"}))
+    assert not valid(call("nested", {"where": {"city": "Oslo", "x": 1}}))
+    assert '"additionalProperties": false' not in tools.instructions()
