@@ -6,11 +6,11 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "constraint.h"
 #include "engine.h"
 #include "errors.h"
 #include "logging.h"
@@ -352,6 +352,10 @@ PYBIND11_MODULE(_core, m) {
              })
         .def("set_rate_check", &Engine::set_rate_check, py::arg("on"), py::arg("under_load") = true)
         .def("set_grammar_drafts", &Engine::set_grammar_drafts, py::arg("on"))
+        .def(
+            "grammar_special",
+            [](const Engine& e, int token) { return grammar_special(e.target(), token); },
+            py::arg("token"))
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
         .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
@@ -419,9 +423,10 @@ PYBIND11_MODULE(_core, m) {
                  const char* chat_template = llama_model_chat_template(m->model(), nullptr);
                  d["has_chat_template"] = chat_template != nullptr;
                  // Its text, for the tool-call formats that need the template rendered.
-                 const char* text = chat_template ? chat_template : "";
-                 d["chat_template"] = py::reinterpret_steal<py::str>(
-                     PyUnicode_DecodeUTF8(text, static_cast<Py_ssize_t>(strlen(text)), "replace"));
+                 d["chat_template"] = to_str(chat_template ? chat_template : "");
+                 // Some GGUFs (Hermes 2 Pro, Hermes 3) keep the one that takes tools apart.
+                 const char* tool_use = llama_model_chat_template(m->model(), "tool_use");
+                 d["chat_template_tool_use"] = to_str(tool_use ? tool_use : "");
                  return d;
              })
         .def_property_readonly("n_draft", &Engine::n_draft)

@@ -110,15 +110,10 @@ size_t tokenize(const void* user_data, const uint8_t* bytes, size_t bytes_len, u
     return n < 0 ? static_cast<size_t>(-static_cast<int64_t>(n)) : static_cast<size_t>(n);
 }
 
-// A token's bytes as llguidance expects them: control tokens (and user-defined ones that look
-// like them, <...>) behind a 0xFF byte, which marks them special.
+// A token's bytes as llguidance expects them: special ones behind a 0xFF byte, which marks them.
 std::string llguidance_bytes(const Model& model, llama_token token) {
     std::string piece = model.token_piece(token);
-    const auto attr = llama_vocab_get_attr(model.vocab(), token);
-    const bool looks_special = piece.size() >= 2 && piece.front() == '<' && piece.back() == '>';
-    if ((attr & LLAMA_TOKEN_ATTR_CONTROL) ||
-        ((attr & LLAMA_TOKEN_ATTR_USER_DEFINED) && looks_special))
-        piece.insert(piece.begin(), '\xff');
+    if (grammar_special(model, token)) piece.insert(piece.begin(), '\xff');
     return piece;
 }
 
@@ -135,6 +130,16 @@ bool tokenizes_exactly(const Model& model) {
 }
 
 }  // namespace
+
+// Control tokens, and user-defined ones that look like them (<...>).
+bool grammar_special(const Model& model, llama_token token) {
+    if (token < 0 || token >= model.n_vocab()) return false;
+    const std::string piece = model.token_piece(token);
+    const auto attr = llama_vocab_get_attr(model.vocab(), token);
+    const bool looks_special = piece.size() >= 2 && piece.front() == '<' && piece.back() == '>';
+    return (attr & LLAMA_TOKEN_ATTR_CONTROL) ||
+           ((attr & LLAMA_TOKEN_ATTR_USER_DEFINED) && looks_special);
+}
 
 void load_constraint_library(const std::string& path) {
     std::lock_guard<std::mutex> lock(api_mutex);

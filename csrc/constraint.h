@@ -23,6 +23,10 @@ struct ConstraintError : std::invalid_argument {
 // ConstraintError when the library or one of its functions is missing.
 void load_constraint_library(const std::string& path);
 
+// Whether a grammar sees the token as special: it is written by name (<tool_call>), never by
+// its bytes.
+bool grammar_special(const Model& model, llama_token token);
+
 class Constraint;
 
 // The target's vocabulary as llguidance sees it: each token's bytes (control tokens marked as

@@ -91,7 +91,7 @@ class Engine {
     // Whether `auto`'s steps are checked against measured target-only steps: `on` for steps of
     // one sequence (off by default: it did not win outside the noise on held-out zoo pairs),
     // `under_load` for steps of several (on by default: it won there; docs/zoo.md).
-    void set_rate_check(bool on, bool under_load = false) {
+    void set_rate_check(bool on, bool under_load = true) {
         rate_check_on_.store(on);
         rate_check_under_load_.store(under_load);
     }

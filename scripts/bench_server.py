@@ -1,7 +1,8 @@
 """End-to-end speed of OpenAI-compatible servers: specdec's against llama.cpp's llama-server,
 on the same pair, on this machine, in one run.
 
-    .venv/bin/python scripts/bench_server.py [--rounds 2] [-n 64] [-c 1,2,4,8] [--warm] [TARGET DRAFT]
+    .venv/bin/python scripts/bench_server.py [--rounds 2] [-n 64] [-c 1,2,4,8] [--warm]
+        [--baselines] [TARGET DRAFT]
 
 Each server is started on a loopback port, warmed up (one short request; with --warm also one
 untimed batch of other prompts at each concurrency, as a server that has been serving for a
@@ -12,7 +13,8 @@ Servers: specdec with one slot per concurrent stream (batched), specdec with one
 one at a time, the same engine), and llama-server with as many slots, each slot with the same
 context. Reported: aggregate generated tokens per second (all requests' tokens over the wall
 time of the batch), the median time to first token, and the median and slowest request
-latency. llama-server comes from scripts/build_llama_cpp_tools.sh.
+latency. With --baselines, also both servers without drafting (specdec `-k 0`, llama-server
+without `-md`), the batched ones only. llama-server comes from scripts/build_llama_cpp_tools.sh.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ def main() -> None:
         help="before the timed batches, serve one untimed batch of other prompts at each "
         "concurrency: a server that has been running, against one just started",
     )
+    ap.add_argument(
+        "--baselines", action="store_true", help="also both batched servers without drafting"
+    )
     args = parse_pair(ap)
     levels = [int(c) for c in args.concurrency.split(",")]
     slots = str(max(levels))
@@ -152,6 +157,14 @@ def main() -> None:
             "--host", "127.0.0.1", "-np", slots,
         ],
     }  # fmt: skip
+    if args.baselines:
+        servers[f"specdec serve -np {slots} -k 0"] = lambda port: [
+            *specdec, "-np", slots, "-k", "0", "--port", str(port),
+        ]  # fmt: skip
+        servers[f"llama-server -np {slots} (no draft)"] = lambda port: [
+            f"{tools}/llama-server", "-m", str(args.target), "-c", str(4096 * int(slots)),
+            "-t", t, "--port", str(port), "--host", "127.0.0.1", "-np", slots,
+        ]  # fmt: skip
     results: dict[tuple[str, int], list[tuple[float, list[float], list[float]]]] = {}
     for r in range(args.rounds):
         order = list(servers) if r % 2 == 0 else list(reversed(servers))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, SupportsFloat, SupportsIndex, Union
 
 from specdec_native import _core, calibration
-from specdec_native.tools import template_syntax
+from specdec_native.tools import CALL_CLOSE, CALL_OPEN, template_syntax
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT: int = _core.MAX_DRAFT  # the longest draft a step may verify
@@ -402,7 +402,9 @@ def _to_json(
 def _model_template(info: dict[str, Any]) -> ChatTemplate:
     """The model's own chat template, compiled where tools need it rendered (a template that
     does not compile, or knows no tools, is left to llama.cpp's reading of it)."""
-    text = info.get("chat_template") or ""
+    text = info.get("chat_template_tool_use") or ""
+    if not _is_jinja(text) or template_syntax(text) == "generic":
+        text = info.get("chat_template") or ""
     if not _is_jinja(text) or template_syntax(text) == "generic":
         return ChatTemplate()
     try:
@@ -421,12 +423,12 @@ def _chat_message(i: int, m: Any) -> dict[str, Any]:
         raise ValueError("each message must be a dict with 'role' and 'content'")
     out: dict[str, Any] = {}
     for key in _MESSAGE_TEXT:
-        if key in m:
+        if m.get(key) is not None or key in ("role", "content"):
             value = _check_text(f"message {i}'s {key}", m[key])
             if "\0" in value:
                 raise ValueError(f"message {i}'s {key} contains a NUL character")
             out[key] = value
-    if "tool_calls" in m:
+    if m.get("tool_calls"):  # None or [] (as model_dump() writes them): no calls
         calls = m["tool_calls"]
         ok = isinstance(calls, list) and all(
             isinstance(c, dict)
@@ -450,7 +452,9 @@ def _compile_jinja(text: str) -> Any:
     def strftime_now(format: str) -> str:
         return time.strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.filters["tojson"] = _to_json
@@ -931,14 +935,15 @@ class SpeculativeDecoder:
         """Formats messages ([{"role": ..., "content": ...}]) with the decoder's chat template:
         ``chat_template`` as given to the constructor, else the model's own.
 
-        ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects) or
-        "tool_call_id", need a Jinja template that takes tools (``tool_syntax`` "hermes")."""
+        ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects),
+        need a Jinja template that takes tools (``tool_syntax`` "hermes"); it also sees a tool
+        message's "tool_call_id"."""
         checked = [_chat_message(i, m) for i, m in enumerate(messages)]
         if not checked:
             raise ValueError("messages must not be empty")
         _check_bool("add_generation_prompt", add_generation_prompt)
         engine = self._live()
-        with_tools = tools is not None or any(len(m) > 2 for m in checked)
+        with_tools = tools is not None or any("tool_calls" in m for m in checked)
         template = self._tools_template() if with_tools else self._chat_template
         if with_tools and template is None:
             raise ValueError(
@@ -961,6 +966,17 @@ class SpeculativeDecoder:
         writes calls in <tool_call> tags (the server then renders tools through it), else
         "generic" (the server's own JSON format: specdec_native.tools)."""
         return "generic" if self._tools_template() is None else "hermes"
+
+    @functools.cached_property
+    def tool_tags_are_tokens(self) -> bool:
+        """Whether <tool_call> and </tool_call> are each one special token of the target's
+        vocabulary (Qwen's are): tool-call grammars then write them by name."""
+        engine = self._live()
+        for tag in (CALL_OPEN, CALL_CLOSE):
+            tokens = engine.tokenize(tag, False, True)
+            if len(tokens) != 1 or not engine.grammar_special(tokens[0]):
+                return False
+        return True
 
     def _tools_template(self) -> ChatTemplate | None:
         """The Jinja template that renders tools: the one given, else the model's own; None

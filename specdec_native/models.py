@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -424,7 +424,9 @@ def build_zoo_member(member: ZooPair, progress: Progress = _quiet) -> tuple[Path
 # -- the tiny-vocab pair -------------------------------------------------------------------
 
 
-def _tiny_vocab(n_extra: int) -> tuple[list[str], list[float], list[int]]:
+def _tiny_vocab(
+    n_extra: int, user_tokens: Sequence[str] = ()
+) -> tuple[list[str], list[float], list[int]]:
     import gguf
 
     tokens = ["<unk>", "<s>", "</s>"]
@@ -439,6 +441,9 @@ def _tiny_vocab(n_extra: int) -> tuple[list[str], list[float], list[int]]:
     tokens += words
     types += [gguf.TokenType.NORMAL] * len(words)
     scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(words))]
+    tokens += list(user_tokens)
+    types += [gguf.TokenType.USER_DEFINED] * len(user_tokens)
+    scores += [0.0] * len(user_tokens)
     return tokens, scores, [int(t) for t in types]
 
 
@@ -454,9 +459,10 @@ def write_tiny_model(
     noise_seed: int = 1,
     space_prefix: bool = True,
     chat_template: str | None = None,
+    user_tokens: Sequence[str] = (),
 ) -> Path:
     """A random llama-architecture model with a ~320-token SentencePiece vocabulary (and
-    ``chat_template`` as its own, if given).
+    ``chat_template`` as its own, ``user_tokens`` as user-defined tokens, if given).
 
     ``output_noise`` adds N(0, output_noise^2) to the output head (drawn from ``noise_seed``):
     the same seed with noise gives a draft that differs from its target by a known amount.
@@ -466,7 +472,7 @@ def write_tiny_model(
     import gguf
 
     rng = np.random.default_rng(seed)
-    tokens, scores, types = _tiny_vocab(n_extra_tokens)
+    tokens, scores, types = _tiny_vocab(n_extra_tokens, user_tokens)
     n_vocab, n_ff, n_head = len(tokens), 2 * n_embd, 4
 
     def mat(rows: int, cols: int, scale: float) -> np.ndarray:

@@ -180,13 +180,14 @@ class _Generation(_Body):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def tool_format(self, syntax: str = "generic") -> ToolFormat | None:
+    def tool_format(self, syntax: str = "generic", tag_tokens: bool = False) -> ToolFormat | None:
         """What the tools and tool_choice ask of the output, calls written in `syntax`
-        (tools.SYNTAXES); None where no tool may be called."""
+        ("generic" or "hermes"; `tag_tokens`: its tags are special tokens); None where no
+        tool may be called."""
         try:
             answer = self._response_schema
             return tool_format(
-                self.tools, self.tool_choice, self.parallel_tool_calls, answer, syntax
+                self.tools, self.tool_choice, self.parallel_tool_calls, answer, syntax, tag_tokens
             )
         except ToolError as e:
             raise BodyError(str(e), str(e).split(":")[0]) from None

@@ -250,7 +250,7 @@ def _job(
 ) -> Job:
     """Maps a validated body to a generation."""
     syntax = decoder.tool_syntax if isinstance(body, ChatCompletionRequest) else "generic"
-    tools = body.tool_format(syntax)
+    tools = body.tool_format(syntax, syntax == "hermes" and decoder.tool_tags_are_tokens)
     constraint = body.constraint(tools)
     if isinstance(body, ChatCompletionRequest):
         prompt: str | list[int] = _chat_prompt(body, tools, syntax, decoder)

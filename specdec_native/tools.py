@@ -35,14 +35,17 @@ from typing import Any
 
 MAX_TOOLS = 128
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-SYNTAXES = ("generic", "hermes")
 
 
 def template_syntax(template: str) -> str:
     """The tool-call format a Jinja chat template's text writes: "hermes" where it takes the
-    tools and writes calls in <tool_call> tags, else "generic" (the template knows no tools)."""
+    tools and writes calls as JSON ({"name": ..., "arguments": ...}) in <tool_call> tags, else
+    "generic" (a template that knows no tools, or writes calls another way: Qwen3-Coder's and
+    GLM's XML inside the same tags)."""
     takes_tools = re.search(r"\btools\b", template) is not None
-    return "hermes" if takes_tools and CALL_OPEN in template else "generic"
+    json_calls = CALL_OPEN in template and '"name"' in template and '"arguments"' in template
+    xml_calls = "<function=" in template or "<arg_key>" in template
+    return "hermes" if takes_tools and json_calls and not xml_calls else "generic"
 
 
 class ToolError(ValueError):
@@ -72,7 +75,8 @@ class ToolFormat:
     choice: str  # "auto", "required", or a function's name
     parallel: bool
     response_schema: dict[str, Any] | bool | None  # the answer's schema (response_format)
-    syntax: str = "generic"  # how calls are written: one of SYNTAXES
+    syntax: str = "generic"  # how calls are written: "generic" or "hermes"
+    tag_tokens: bool = False  # the hermes tags are special tokens of the vocabulary
 
     def constraint(self) -> tuple[str, str]:
         """The grammar of the whole output, as (kind, text) for the engine."""
@@ -89,7 +93,7 @@ class ToolFormat:
             _object(
                 {
                     "name": {"const": f["name"]},
-                    "arguments": _embedded(_closed(f["parameters"]), f"tool{i}", defs),
+                    "arguments": _embedded(_closed_arguments(f["parameters"]), f"tool{i}", defs),
                 }
             )
             for i, f in enumerate(called)
@@ -124,8 +128,13 @@ class ToolFormat:
             "item_separator": ", ",
             "key_separator": ": ",
         }
+        # Tags that are special tokens (Qwen's) are written by name: their bytes spelt out
+        # are text the model never saw.
+        opened, closed = (
+            (CALL_OPEN, CALL_CLOSE) if self.tag_tokens else (f'"{CALL_OPEN}"', f'"{CALL_CLOSE}"')
+        )
         lines = [
-            f'call: "{CALL_OPEN}\\n" %json {json.dumps(call)} "\\n{CALL_CLOSE}"',
+            f'call: {opened} "\\n" %json {json.dumps(call)} "\\n" {closed}',
             'calls: call ("\\n" call)*' if self.parallel else "calls: call",
         ]
         if self.choice != "auto":
@@ -201,12 +210,36 @@ def _rebased(schema: Any, base: str) -> Any:
     return out
 
 
-def _closed(schema: Any) -> Any:
+# Keywords whose subschemas combine with their neighbours' properties: an object there is a
+# part of one, and closing it would refuse the other parts' properties.
+_COMBINING = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "$ref")
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _closed_arguments(schema: Any) -> Any:
+    """A tool's parameters as the grammar holds them (_closed); as given where they use allOf,
+    whose parts may be shared definitions ($defs) that other parts extend."""
+    return schema if _has_key(schema, "allOf") else _closed(schema)
+
+
+def _has_key(schema: Any, key: str) -> bool:
+    if isinstance(schema, list):
+        return any(_has_key(v, key) for v in schema)
+    if not isinstance(schema, dict):
+        return False
+    return key in schema or any(
+        _has_key(v, key) for k, v in schema.items() if k not in _DATA_KEYWORDS
+    )
+
+
+def _closed(schema: Any, part: bool = False) -> Any:
     """`schema` with objects that list their properties closed to others where it does not say
     (additionalProperties false), as llama.cpp reads tool schemas: a function takes no
-    arguments it does not name, and small models asked for open objects invent keys."""
+    arguments it does not name, and small models asked for open objects invent keys. Objects
+    that are a part of a combination (`part`, or beside allOf, anyOf, $ref ...) stay as
+    they are, and so do those that require a property they do not list."""
     if isinstance(schema, list):
-        return [_closed(v) for v in schema]
+        return [_closed(v, part) for v in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
@@ -214,11 +247,18 @@ def _closed(schema: Any) -> Any:
         if key in _DATA_KEYWORDS:
             out[key] = value
         elif key in _NAMED_SCHEMAS and isinstance(value, dict):
-            out[key] = {name: _closed(v) for name, v in value.items()}
+            inner = key == "dependentSchemas"
+            out[key] = {name: _closed(v, inner) for name, v in value.items()}
         else:
-            out[key] = _closed(value)
-    if isinstance(out.get("properties"), dict) and not (
-        {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out)
+            out[key] = _closed(value, key in _COMBINING)
+    listed = out.get("properties")
+    required = out.get("required", [])
+    if (
+        not part
+        and isinstance(listed, dict)
+        and not set(out) & {*_OPEN_KEYWORDS, *_COMBINING}
+        and isinstance(required, list)
+        and all(name in listed for name in required)
     ):
         out["additionalProperties"] = False
     return out
@@ -239,6 +279,7 @@ def tool_format(
     parallel: bool | None,
     response_schema: dict[str, Any] | bool | None,
     syntax: str = "generic",
+    tag_tokens: bool = False,
 ) -> ToolFormat | None:
     """The format a request's `tools` and `tool_choice` ask for, calls written in `syntax`;
     None where no tool may be called (no tools, or tool_choice "none")."""
@@ -253,7 +294,7 @@ def tool_format(
         return None
     if choice not in ("auto", "required") and choice not in names:
         raise ToolError(f"tool_choice: no tool is named {choice!r}")
-    return ToolFormat(functions, choice, parallel is not False, response_schema, syntax)
+    return ToolFormat(functions, choice, parallel is not False, response_schema, syntax, tag_tokens)
 
 
 def _function(tool: Any) -> dict[str, Any]:
@@ -340,7 +381,7 @@ def template_conversation(
 def _arguments(call: ToolCall) -> Any:
     try:
         return json.loads(call.arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise ToolError(
             f"messages: the arguments of tool call {call.id!r} are not JSON: {call.arguments!r}"
         ) from None
@@ -351,7 +392,7 @@ def read_output(text: str) -> tuple[str | None, list[ToolCall]]:
     output of the format (cut short by max_tokens, say)."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None, []
     if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
         calls = [
@@ -365,22 +406,24 @@ def read_output(text: str) -> tuple[str | None, list[ToolCall]]:
     return None, []
 
 
-_HERMES_CALLS = re.compile(rf"(?:\n?{CALL_OPEN}\n(.*?)\n{CALL_CLOSE})+", re.DOTALL)
-_HERMES_CALL = re.compile(rf"{CALL_OPEN}\n(.*?)\n{CALL_CLOSE}", re.DOTALL)
-
-
 def read_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """Output in the hermes format as (content, tool calls): text with no tag is an answer;
-    calls must be complete tags of JSON objects with a name and arguments, else None, []."""
+    calls must be complete tags of JSON objects with a name and arguments, else None, []. The
+    grammar writes each call on three lines (tag, JSON on one line, tag), so it is read line
+    by line, in linear time whatever the output."""
     if not text.startswith(CALL_OPEN):
         return text, []
-    if _HERMES_CALLS.fullmatch(text) is None:
+    lines = text.split("\n")
+    if len(lines) % 3:
         return None, []
     calls = []
-    for body in _HERMES_CALL.findall(text):
+    for i in range(0, len(lines), 3):
+        opened, body, closed = lines[i : i + 3]
+        if opened != CALL_OPEN or closed != CALL_CLOSE:
+            return None, []
         try:
             value = json.loads(body)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None, []
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None, []

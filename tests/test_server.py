@@ -777,16 +777,18 @@ def test_bad_tools_are_400s(chat_server: Server, extra: dict[str, object], match
     assert match in r.json()["error"]["message"]
 
 
-def test_tool_messages_that_cannot_be_read_are_400s(chat_server: Server) -> None:
+def test_tool_messages_that_cannot_be_read_are_400s(tools_at: ToolServer) -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    deep = {**call, "function": {"name": "f", "arguments": "[" * 100_000}}
     for body in (
         {"messages": [{"role": "assistant", "tool_calls": [call]}]},
+        {"messages": [{"role": "assistant", "tool_calls": [deep]}]},
         {"messages": [{"role": "user"}]},
         {"messages": [{"role": "user", "content": "x", "tool_calls": [call]}]},
         {"prompt": "x", "tools": WEATHER_TOOLS},
     ):
         path = "completions" if "prompt" in body else "chat/completions"
-        r = httpx.post(f"{chat_server.url}/v1/{path}", json=body, timeout=60)
+        r = httpx.post(f"{tools_at.server.url}/v1/{path}", json=body, timeout=60)
         assert r.status_code == 400, r.text
 
 

@@ -289,9 +289,22 @@ def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -
             content, calls = tools.read(out.text)
             assert content is None and [c.name for c in calls] == ["weather"]
             jsonschema.validate(json.loads(calls[0].arguments), weather)
+    # Tags that are special tokens of the vocabulary (Qwen's) are generated as those tokens.
+    tags = ["<tool_call>", "</tool_call>"]
+    tagged = models.write_tiny_model(
+        tmp_path / "tagged.gguf", chat_template=template, user_tokens=tags
+    )
+    with sd.SpeculativeDecoder(tagged, n_ctx=1024, n_threads=1) as dec:
+        assert dec.tool_tags_are_tokens
+        ids = [dec.tokenize(tag, add_special=False, parse_special=True)[0] for tag in tags]
+        tools = ToolFormat(functions, "weather", False, None, "hermes", tag_tokens=True)
+        out = dec.generate(prompt, 200, temperature=0, grammar=tools.constraint()[1])
+        assert out.tokens[0] == ids[0] and ids[1] in out.tokens, out.text
+        content, calls = tools.read(out.text)
+        assert content is None and [c.name for c in calls] == ["weather"]
     # A template that knows no tools: tools are the server's generic format, not the template's.
     plain = models.write_tiny_model(tmp_path / "plain.gguf", chat_template="{{ messages }}")
     with sd.SpeculativeDecoder(plain, n_ctx=256, n_threads=1) as dec:
-        assert dec.tool_syntax == "generic"
+        assert dec.tool_syntax == "generic" and not dec.tool_tags_are_tokens
         with pytest.raises(ValueError, match="tools need a chat template"):
             dec.apply_chat_template([{"role": "user", "content": "x"}], tools=[])

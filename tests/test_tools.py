@@ -4,6 +4,7 @@ view of a conversation, and output read back as it streams (no model)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jsonschema  # type: ignore[import-untyped]
@@ -134,6 +135,9 @@ def test_a_template_that_takes_tools_and_writes_tags_is_hermes() -> None:
     # Tags alone, or tools alone, are not a format the server can read back.
     assert template_syntax(chatml + "<tool_call>") == "generic"
     assert template_syntax(chatml + "{{ tools }}") == "generic"
+    # Calls written as XML in the same tags (Qwen3-Coder, GLM) are another format.
+    xml = TOOLS_TEMPLATE.read_text() + "<function={{ name }}>"
+    assert template_syntax(xml) == "generic"
 
 
 WEATHER = {
@@ -234,3 +238,38 @@ def test_tool_arguments_name_only_their_properties_unless_told() -> None:
     assert valid(call("told", {"city": "Oslo", "type": "string"}))
     assert not valid(call("nested", {"where": {"city": "Oslo", "x": 1}}))
     assert '"additionalProperties": false' not in tools.instructions()
+
+
+def test_combined_schemas_keep_what_they_allow() -> None:
+    # Closing stops where objects combine: allOf extending a shared definition, anyOf branches
+    # adding properties, a required property another part lists.
+    extended = {
+        "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {"type": "integer"}}}],
+        "$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    }
+    branches = {
+        "type": "object",
+        "properties": {"kind": {"type": "string"}},
+        "anyOf": [{"properties": {"x": {"type": "integer"}}}, {"required": ["kind"]}],
+    }
+    elsewhere = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
+    cases = [
+        (extended, {"a": 1, "b": 2}),
+        (branches, {"kind": "k", "x": 1}),
+        (elsewhere, {"a": 1, "b": 2}),
+    ]
+    for parameters, arguments in cases:
+        tools = ToolFormat([{"name": "f", "parameters": parameters}], "required", True, None)
+        schema = tools.schema()
+        assert LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema)) == ""
+        jsonschema.validate({"tool_calls": [{"name": "f", "arguments": arguments}]}, schema)
+
+
+def test_hermes_output_is_read_in_linear_time() -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>'
+    text = "\n".join([call] * 60) + '\n<tool_call>\n{"na'  # cut short after 60 calls
+    start = time.perf_counter()
+    assert read_hermes(text) == (None, [])
+    assert len(read_hermes(text.rsplit("\n", 2)[0])[1]) == 60
+    # A backtracking reader took seconds at 20 calls, doubling with each one.
+    assert time.perf_counter() - start < 1.0
