@@ -402,15 +402,14 @@ def _to_json(
 def _model_template(info: dict[str, Any]) -> ChatTemplate:
     """The model's own chat template, compiled where tools need it rendered (a template that
     does not compile, or knows no tools, is left to llama.cpp's reading of it)."""
-    text = info.get("chat_template_tool_use") or ""
-    if not _is_jinja(text) or template_syntax(text) == "generic":
-        text = info.get("chat_template") or ""
-    if not _is_jinja(text) or template_syntax(text) == "generic":
-        return ChatTemplate()
-    try:
-        return ChatTemplate(jinja=_compile_jinja(text), tool_syntax=template_syntax(text))
-    except ValueError:
-        return ChatTemplate()
+    for key in ("chat_template_tool_use", "chat_template"):
+        text = info.get(key) or ""
+        if _is_jinja(text) and template_syntax(text) != "generic":
+            try:
+                return ChatTemplate(jinja=_compile_jinja(text), tool_syntax=template_syntax(text))
+            except ValueError:
+                continue
+    return ChatTemplate()
 
 
 _MESSAGE_TEXT = ("role", "content", "tool_call_id")
@@ -422,6 +421,8 @@ def _chat_message(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(m, dict) or "role" not in m or "content" not in m:
         raise ValueError("each message must be a dict with 'role' and 'content'")
     out: dict[str, Any] = {}
+    if m.get("content") is None and m.get("tool_calls"):  # an assistant's calls alone
+        m = {**m, "content": ""}
     for key in _MESSAGE_TEXT:
         if m.get(key) is not None or key in ("role", "content"):
             value = _check_text(f"message {i}'s {key}", m[key])

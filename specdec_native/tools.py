@@ -217,19 +217,33 @@ _OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedPrope
 
 
 def _closed_arguments(schema: Any) -> Any:
-    """A tool's parameters as the grammar holds them (_closed); as given where they use allOf,
-    whose parts may be shared definitions ($defs) that other parts extend."""
-    return schema if _has_key(schema, "allOf") else _closed(schema)
+    """A tool's parameters as the grammar holds them (_closed); as given where an object
+    extends another (allOf, or a $ref beside keywords of its own: the shared definition must
+    stay open) or asks for properties by count or dependency."""
+    return schema if _extends(schema) else _closed(schema)
 
 
-def _has_key(schema: Any, key: str) -> bool:
+# What may stand beside a $ref without extending what it points to.
+_ANNOTATIONS = {"$ref", "$defs", "definitions", "title", "description", "$comment", "default"}
+_EXTENDING = ("allOf", "dependentRequired", "minProperties")
+
+
+def _extends(schema: Any) -> bool:
     if isinstance(schema, list):
-        return any(_has_key(v, key) for v in schema)
+        return any(_extends(v) for v in schema)
     if not isinstance(schema, dict):
         return False
-    return key in schema or any(
-        _has_key(v, key) for k, v in schema.items() if k not in _DATA_KEYWORDS
-    )
+    if any(key in schema for key in _EXTENDING):
+        return True
+    if "$ref" in schema and set(schema) - _ANNOTATIONS - set(_DATA_KEYWORDS):
+        return True
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            continue
+        values = value.values() if key in _NAMED_SCHEMAS and isinstance(value, dict) else [value]
+        if any(_extends(v) for v in values):
+            return True
+    return False
 
 
 def _closed(schema: Any, part: bool = False) -> Any:
@@ -258,7 +272,7 @@ def _closed(schema: Any, part: bool = False) -> Any:
         and isinstance(listed, dict)
         and not set(out) & {*_OPEN_KEYWORDS, *_COMBINING}
         and isinstance(required, list)
-        and all(name in listed for name in required)
+        and all(isinstance(name, str) and name in listed for name in required)
     ):
         out["additionalProperties"] = False
     return out

@@ -253,16 +253,31 @@ def test_combined_schemas_keep_what_they_allow() -> None:
         "anyOf": [{"properties": {"x": {"type": "integer"}}}, {"required": ["kind"]}],
     }
     elsewhere = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
+    beside_ref = {
+        "$ref": "#/$defs/Base",
+        "properties": {"b": {"type": "integer"}},
+        "$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    }
+    dependent = {"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}
     cases = [
         (extended, {"a": 1, "b": 2}),
         (branches, {"kind": "k", "x": 1}),
         (elsewhere, {"a": 1, "b": 2}),
+        (beside_ref, {"a": 1, "b": 2}),
     ]
     for parameters, arguments in cases:
         tools = ToolFormat([{"name": "f", "parameters": parameters}], "required", True, None)
         schema = tools.schema()
         assert LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema)) == ""
         jsonschema.validate({"tool_calls": [{"name": "f", "arguments": arguments}]}, schema)
+    # llguidance refuses dependentRequired, but such a schema is left as given all the same.
+    kept = ToolFormat([{"name": "f", "parameters": dependent}], "required", True, None).schema()
+    assert kept["properties"]["tool_calls"]["items"]["anyOf"][0]["properties"]["arguments"] == (
+        dependent
+    )
+    # A required list that is not names is the schema's own problem, not a crash here.
+    odd = {"type": "object", "properties": {"a": {}}, "required": [{}]}
+    ToolFormat([{"name": "f", "parameters": odd}], "required", True, None).schema()
 
 
 def test_hermes_output_is_read_in_linear_time() -> None:
