@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,23 +191,44 @@ _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas
 _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+def _subschemas(schema: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(keyword, value) for each value under `schema`'s keywords that may hold schemas: every
+    value but those of data keywords, the members of name-to-schema maps one by one."""
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            continue
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            yield from ((key, v) for v in value.values())
+        else:
+            yield key, value
+
+
+def _rebuilt(schema: dict[str, Any], child: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """`schema` with each value _subschemas gives replaced by child(keyword, value)."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: child(key, v) for name, v in value.items()}
+        else:
+            out[key] = child(key, value)
+    return out
+
+
 def _rebased(schema: Any, base: str) -> Any:
     """`schema` with its local references ("#...") moved under `base`."""
     if isinstance(schema, list):
         return [_rebased(v, base) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
-            out[key] = {name: _rebased(v, base) for name, v in value.items()}
-        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = base + value[1:]
-        else:
-            out[key] = _rebased(value, base)
-    return out
+
+    def child(key: str, value: Any) -> Any:
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            return base + value[1:]
+        return _rebased(value, base)
+
+    return _rebuilt(schema, child)
 
 
 # Keywords whose subschemas combine with their neighbours' properties: an object there is a
@@ -237,13 +258,7 @@ def _extends(schema: Any) -> bool:
         return True
     if "$ref" in schema and set(schema) - _ANNOTATIONS - set(_DATA_KEYWORDS):
         return True
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            continue
-        values = value.values() if key in _NAMED_SCHEMAS and isinstance(value, dict) else [value]
-        if any(_extends(v) for v in values):
-            return True
-    return False
+    return any(_extends(v) for _, v in _subschemas(schema))
 
 
 def _closed(schema: Any, part: bool = False) -> Any:
@@ -256,15 +271,8 @@ def _closed(schema: Any, part: bool = False) -> Any:
         return [_closed(v, part) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
-            inner = key == "dependentSchemas"
-            out[key] = {name: _closed(v, inner) for name, v in value.items()}
-        else:
-            out[key] = _closed(value, key in _COMBINING)
+    # Under a combining keyword (dependentSchemas' members included) a subschema is a part.
+    out = _rebuilt(schema, lambda key, value: _closed(value, key in _COMBINING))
     listed = out.get("properties")
     required = out.get("required", [])
     if (
