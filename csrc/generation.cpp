@@ -50,7 +50,6 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
         n_draft_ = 0;
         stats().fallback_reason = "short request";
     }
-    drafts_with_model_ = parts_.drafter != nullptr && (adaptive_ || n_draft_ > 0);
     if (penalized()) token_counts_.assign(static_cast<size_t>(parts_.target.n_vocab()), 0);
 }
 
@@ -72,13 +71,8 @@ int Generation::add_prefill(Batch& batch, int budget) {
         batch.add(seq_[i], static_cast<llama_pos>(i), false, seq_id_);
     const int added = static_cast<int>(end - prefilled_);
     prefilled_ = end;
-    // The draft reads the prompt alongside, so its first draft does not have to; that read is
-    // part of the prompt's cost.
-    if (drafts_with_model_) {
-        const auto start = Clock::now();
-        parts_.drafter->prefill(seq_id_, seq_, static_cast<size_t>(added));
-        stats().t_prompt += seconds_since(start);
-    }
+    // The draft model reads the prompt only when it first drafts (its catch-up): most requests
+    // under load, and those `auto` keeps at target-only, never do.
     return added;
 }
 
@@ -300,6 +294,7 @@ void Generation::drafted(double seconds) {
     if (constraint_) keep_valid_draft();
     if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
     stats().count_proposal(static_cast<int>(draft_.tokens.size()));
+    stats().n_draft_read += draft_.caught_up;
     if (draft_.below_p_min) ++stats().n_p_min_stops;
     // A fallback the batch plan overrode (drafting after all, or forced tokens) is not one.
     if (falling_back_ && k_ == 0 && !has_draft()) {

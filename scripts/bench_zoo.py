@@ -61,9 +61,10 @@ def run_config(
     temp: float,
     n: int,
     seed: int,
-) -> tuple[int, float]:
-    """(tokens, seconds) of every prompt, `streams` at a time."""
+) -> tuple[int, float, dict[str, int]]:
+    """(tokens, seconds, the requests' summed counters) of every prompt, `streams` at a time."""
     tokens = [0]
+    counts: list[sd.Stats] = []
     lock = threading.Lock()
 
     one, several = RATE_CHECK.get(str(k), RATE_CHECK["auto"])
@@ -75,6 +76,7 @@ def run_config(
             out = dec.generate(prompt, n, n_draft=n_draft, temperature=temp, seed=seed + i)
             with lock:
                 tokens[0] += len(out.tokens)
+                counts.append(out.stats)
 
     jobs = list(enumerate(prompts))
     threads = [threading.Thread(target=worker, args=(jobs[s::streams],)) for s in range(streams)]
@@ -83,7 +85,14 @@ def run_config(
         t.start()
     for t in threads:
         t.join()
-    return tokens[0], time.monotonic() - start
+    seconds = time.monotonic() - start
+    return tokens[0], seconds, summed(counts)
+
+
+def summed(stats: list[sd.Stats]) -> dict[str, int]:
+    """What the drafting cost in reading and steps, summed over requests."""
+    keys = ("n_prompt", "n_draft_read", "n_target_passes", "n_speculative_steps")
+    return {k: sum(getattr(s, k) for s in stats) for k in keys}
 
 
 def run_cell(
@@ -95,10 +104,12 @@ def run_cell(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     rates: dict[str, list[float]] = {str(k): [] for k in configs}
+    counts: dict[str, list[dict[str, int]]] = {str(k): [] for k in configs}
     for r in range(args.rounds):
         for k in bench.rotated(configs, r):
-            tokens, seconds = run_config(dec, prompts, streams, k, temp, args.n, SEED + 100 * r)
+            tokens, seconds, c = run_config(dec, prompts, streams, k, temp, args.n, SEED + 100 * r)
             rates[str(k)].append(tokens / seconds)
+            counts[str(k)].append(c)
             print(f"    round {r + 1} K={k}: {tokens / seconds:6.1f} tok/s", file=sys.stderr)
     fixed = [str(k) for k in configs if str(k) not in RATE_CHECK]
     variant = next((str(k) for k in configs if str(k) in VARIANTS.values()), "auto")
@@ -109,6 +120,7 @@ def run_cell(
         "streams": streams,
         "temperature": temp,
         "rates": rates,
+        "counts": counts,
         "median": median,
         "best_fixed": best,
         "auto_over_best": statistics.median(a / b for a, b in zip(rates["auto"], best_per_round)),

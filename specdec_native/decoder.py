@@ -106,6 +106,7 @@ class Stats:
     n_speculative_steps: int
     n_fallback_steps: int
     n_p_min_stops: int  # model drafts cut short by draft_p_min
+    n_draft_read: int  # committed tokens (the prompt's included) the draft model read to draft
     fallback_reason: str
     draft_error: str  # why drafting was dropped for this request ("" when it was not)
     n_shared_steps: int  # steps batched with other requests' rows in the target's decode
