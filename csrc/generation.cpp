@@ -50,6 +50,7 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
         n_draft_ = 0;
         stats().fallback_reason = "short request";
     }
+    drafts_with_model_ = parts_.drafter != nullptr && (adaptive_ || n_draft_ > 0);
     if (penalized()) token_counts_.assign(static_cast<size_t>(parts_.target.n_vocab()), 0);
 }
 
@@ -71,8 +72,14 @@ int Generation::add_prefill(Batch& batch, int budget) {
         batch.add(seq_[i], static_cast<llama_pos>(i), false, seq_id_);
     const int added = static_cast<int>(end - prefilled_);
     prefilled_ = end;
-    // The draft model reads the prompt only when it first drafts (its catch-up): most requests
-    // under load, and those `auto` keeps at target-only, never do.
+    // The draft reads the prompt alongside, so its first draft does not have to; that read is
+    // part of the prompt's cost.
+    if (drafts_with_model_) {
+        const auto start = Clock::now();
+        stats().n_draft_read += static_cast<int>(
+            parts_.drafter->prefill(seq_id_, seq_, static_cast<size_t>(added)));
+        stats().t_prompt += seconds_since(start);
+    }
     return added;
 }
 

@@ -302,6 +302,7 @@ class Generation {
     int n_draft_;
     bool adaptive_ = false;
     bool drafting_dropped_ = false;
+    bool drafts_with_model_ = false;  // the draft model may be asked (its cache is kept filled)
     Clock::time_point admitted_;
     std::vector<llama_token> seq_;            // prompt + committed tokens
     size_t prefilled_ = 0;                    // prompt tokens the target's cache holds

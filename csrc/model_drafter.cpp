@@ -25,6 +25,16 @@ void ModelDrafter::decode_range(llama_seq_id seq, const std::vector<llama_token>
         seq);
 }
 
+size_t ModelDrafter::prefill(llama_seq_id seq, const std::vector<llama_token>& committed,
+                             size_t budget) {
+    if (committed.size() < 2) return 0;
+    const size_t end = committed.size() - 1;
+    const size_t common = model_.keep_common_prefix(seq, committed, end);
+    const size_t stop = std::min(end, common + budget);
+    if (stop > common) decode_range(seq, committed, common, stop, stop);
+    return stop - common;
+}
+
 llama_token ModelDrafter::token_at(const Job& job, size_t t) {
     const auto& committed = *job.committed;
     return t < committed.size() ? committed[t] : job.out->tokens[t - committed.size()];

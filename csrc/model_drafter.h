@@ -44,8 +44,10 @@ class ModelDrafter {
     // whole committed sequence: the catch-up decodes what the cache lacks of it, and keeps only
     // their common prefix where the cache holds something else (a slot's earlier request).
     // Generation::accept rolls back rejected draft tokens.
-    // The first catch-up of a sequence reads its prompt: the draft reads text only to draft.
     void propose(std::vector<Job>& jobs);
+    // Decodes up to `budget` tokens of what the cache of `seq` lacks of committed[0..n-1) (a
+    // prompt, ahead of the first draft); returns how many it decoded.
+    size_t prefill(llama_seq_id seq, const std::vector<llama_token>& committed, size_t budget);
 
   private:
     // Appends tokens[from..to) to the cache of `seq`, logits on tokens[logits_from..];

@@ -19,7 +19,7 @@ struct Stats {
     int n_speculative_steps = 0;     // steps that drafted at least one token
     int n_fallback_steps = 0;        // adaptive steps that chose target-only decoding
     int n_p_min_stops = 0;           // model drafts cut short by draft_p_min
-    int n_draft_read = 0;            // committed tokens (prompt included) the draft model read
+    int n_draft_read = 0;            // tokens the draft model read: the prompt, then catch-ups
     std::string fallback_reason;     // why, when any did (short request, low acceptance, ...)
     std::string draft_error;         // why drafting was dropped for this request ("" if it was not)
     int n_shared_steps = 0;          // steps whose target decode held other requests' rows too
@@ -31,7 +31,7 @@ struct Stats {
     std::vector<int> accepted_at;  // [i]: times draft position i+1 was accepted
     std::vector<int> proposed_at;  // [i]: times draft position i+1 was proposed
     double t_queue = 0.0;          // seconds: waiting for the engine (another call ran)
-    double t_prompt = 0.0;         // seconds: the target's prompt decode
+    double t_prompt = 0.0;         // seconds: prompt decode, both models
     double t_first_token = 0.0;    // seconds: from the call to its first token (0: none)
     double t_draft = 0.0;          // seconds: drafting
     double t_verify = 0.0;         // seconds: target decodes and acceptance
