@@ -51,6 +51,7 @@ from specdec_native.openai_api import (
 from specdec_native.tools import (
     StreamedAnswer,
     StreamedText,
+    ToolCall,
     ToolFormat,
     conversation,
     template_conversation,
@@ -409,6 +410,30 @@ async def _disconnected(request: Request) -> None:
 # -- responses ---------------------------------------------------------------------------------
 
 
+def _tool_output(tools: ToolFormat, text: str, streamed: str) -> tuple[str, list[ToolCall]]:
+    """An output with tools as (content, calls), given what of its content a stream gave as it
+    came (`streamed`, "" when not streamed): streamed or not, a client gets the same content.
+    Output that is not the format after all (cut short by max_tokens, say) is its text as it
+    is, but for an answer whose text was streamed (a JSON string cut short): that text."""
+    content, calls = tools.read(text)
+    if content is None and not calls:
+        content = text
+    content = content or ""
+    return (content if content.startswith(streamed) else streamed), calls
+
+
+def _answer_end(
+    tools: ToolFormat, answer: StreamedAnswer | StreamedText, text: str
+) -> list[dict[str, Any]]:
+    """The chunks' choices a streamed output with tools ends with: what of its content was
+    not streamed yet, then its tool calls."""
+    content, calls = _tool_output(tools, text, answer.streamed)
+    rest = content[len(answer.streamed) :]
+    deltas: list[dict[str, Any]] = [{"content": rest}] if rest else []
+    deltas += [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
+    return [{"index": 0, "delta": d, "finish_reason": None} for d in deltas]
+
+
 def _finish_reason(result: GenerationResult) -> str:
     # OpenAI knows "stop" and "length"; a full context or a deadline ends the text by length.
     return "stop" if result.finish_reason == "stop" else "length"
@@ -695,11 +720,12 @@ class Server:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
         choice["logprobs"] = self._logprobs(run, result.logprobs)
         if run.chat and run.job.tools is not None:
-            content, calls = run.job.tools.read(result.text)
-            choice["message"] = {
-                "role": "assistant",
-                "content": result.text if content is None and not calls else content,
-            }
+            reader = run.job.tools.streamed()
+            for _ in reader.feed(result.text):
+                pass
+            content, calls = _tool_output(run.job.tools, result.text, reader.streamed)
+            # No content beside calls is null, as OpenAI writes it.
+            choice["message"] = {"role": "assistant", "content": content or (None if calls else "")}
             if calls:
                 choice["message"]["tool_calls"] = [call.openai() for call in calls]
                 choice["finish_reason"] = "tool_calls"
@@ -767,23 +793,6 @@ class Server:
             "text_offset": offsets,
         }
 
-    def _answer_end(
-        self, run: Run, answer: StreamedAnswer | StreamedText, text: str
-    ) -> list[dict[str, Any]]:
-        """The chunks a streamed output with tools ends with: its tool calls, or what of the
-        answer was not streamed yet (all of it, if it was no string or is incomplete)."""
-        assert run.job.tools is not None
-        content, calls = run.job.tools.read(text)
-        deltas: list[dict[str, Any]]
-        if calls:
-            deltas = [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
-        elif content is None:
-            deltas = [] if answer.streamed else [{"content": text}]
-        else:
-            rest = content[len(answer.streamed) :] if content.startswith(answer.streamed) else ""
-            deltas = [{"content": rest}] if rest else []
-        return [{"index": 0, "delta": d, "finish_reason": None} for d in deltas]
-
     async def _events(self, run: Run) -> AsyncIterator[str]:
         """The run's text as server-sent events, then its finish reason, usage and [DONE]. A
         client that goes away cancels this task: leaving here cancels the run."""
@@ -792,7 +801,8 @@ class Server:
                 first = self._chunk(run, None, None)
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield json.dumps(first)
-            answer = None if run.job.tools is None else run.job.tools.streamed()
+            tools = run.job.tools
+            answer = None if tools is None else tools.streamed()
             # Each chunk carries its tokens' logprobs; with tools, whose text is rewritten as it
             # streams, the last chunk carries them all.
             sent, offset = 0, 0
@@ -815,8 +825,8 @@ class Server:
                 return
             result = run.future.result()
             finish = _finish_reason(result)
-            if answer is not None:
-                for chunk in self._answer_end(run, answer, result.text):
+            if tools is not None and answer is not None:
+                for chunk in _answer_end(tools, answer, result.text):
                     finish = "tool_calls" if "tool_calls" in chunk["delta"] else finish
                     yield json.dumps(self._chunk(run, None, None) | {"choices": [chunk]})
             last = self._chunk(run, None if run.chat else "", finish)

@@ -116,7 +116,8 @@ class ToolFormat:
     def _hermes_grammar(self) -> str:
         """The Lark grammar (llguidance's, with embedded JSON schemas) of the output in the
         hermes format: calls in tags, or (tool_choice "auto") an answer, text with no tag in
-        it or JSON of the response format's schema."""
+        it or JSON of the response format's schema. A text answer may go on into calls, as
+        models write them ("Let me look that up." and a call), or after their thinking."""
         defs: dict[str, Any] = {}
         calls = self._calls(defs)
         call: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
@@ -133,18 +134,24 @@ class ToolFormat:
         opened, closed = (
             (CALL_OPEN, CALL_CLOSE) if self.tag_tokens else (f'"{CALL_OPEN}"', f'"{CALL_CLOSE}"')
         )
+        more = ' ("\\n" call)*' if self.parallel else ""
         lines = [
-            f'call: {opened} "\\n" %json {json.dumps(call)} "\\n" {closed}',
-            'calls: call ("\\n" call)*' if self.parallel else "calls: call",
+            f"calls: call{more}",
+            f"call: {opened} body",
+            f'body: "\\n" %json {json.dumps(call)} "\\n" {closed}',
         ]
         if self.choice != "auto":
             return "\n".join(["start: calls", *lines])
-        if self.response_schema is None:
-            answer = "TEXT"
-            lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/")
+        if self.response_schema is not None:
+            return "\n".join([f"start: calls | %json {json.dumps(self.response_schema)}", *lines])
+        lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/")
+        if self.tag_tokens:
+            lead = "TEXT call"  # the tag token ends the text
         else:
-            answer = f"%json {json.dumps(self.response_schema)}"
-        return "\n".join([f"start: calls | {answer}", *lines])
+            # Text and the tag as one lexeme: the text alone would take the tag's first bytes.
+            lead = "LEAD body"
+            lines.append(f'LEAD: TEXT "{CALL_OPEN}"')
+        return "\n".join([f"start: calls | TEXT | {lead}{more}", *lines])
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape)."""
@@ -430,12 +437,14 @@ def read_output(text: str) -> tuple[str | None, list[ToolCall]]:
 
 def read_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """Output in the hermes format as (content, tool calls): text with no tag is an answer;
+    text before the first tag is the content beside the calls (None when there is none);
     calls must be complete tags of JSON objects with a name and arguments, else None, []. The
     grammar writes each call on three lines (tag, JSON on one line, tag), so it is read line
     by line, in linear time whatever the output."""
-    if not text.startswith(CALL_OPEN):
+    start = text.find(CALL_OPEN)
+    if start < 0:
         return text, []
-    lines = text.split("\n")
+    lines = text[start:].split("\n")
     if len(lines) % 3:
         return None, []
     calls = []
@@ -453,28 +462,42 @@ def read_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
         calls.append(ToolCall(value["name"], arguments))
-    return None, calls
+    return text[:start].rstrip() or None, calls
 
 
 class StreamedText:
-    """Reads hermes output as it comes: text is the answer, given as it comes once it cannot
-    be the start of a call; calls are read whole at the end."""
+    """Reads hermes output as it comes: its text is given as it comes, but for what could
+    still be the start of a call's tag or the spaces before one; once a tag comes, the rest
+    is calls, read whole at the end."""
 
     def __init__(self) -> None:
         self.text = ""
-        self.streamed = ""  # the answer's text given so far
-        self._answer = False  # known to be an answer
+        self.streamed = ""  # the text given so far
+        self._calls = False  # a tag came: the rest is calls
 
     def feed(self, piece: str) -> Iterator[str]:
+        # Only the new text and the tag's length before it can hold a tag not seen yet.
+        seen = max(len(self.text) - len(CALL_OPEN) + 1, 0)
         self.text += piece
-        if not self._answer:
-            if CALL_OPEN.startswith(self.text) or self.text.startswith(CALL_OPEN):
-                return
-            self._answer = True
-            piece = self.text
-        if piece:
-            self.streamed += piece
-            yield piece
+        if self._calls:
+            return
+        end = self.text.find(CALL_OPEN, seen)
+        if end >= 0:
+            self._calls = True
+        else:
+            end = len(self.text) - _tag_start(self.text)
+        given = self.text[len(self.streamed) : end].rstrip()
+        if given:
+            self.streamed += given
+            yield given
+
+
+def _tag_start(text: str) -> int:
+    """The length of the longest end of `text` that a call's tag starts with."""
+    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
 
 
 _ANSWER_START = re.compile(r'\s*\{\s*"response"\s*:\s*"')

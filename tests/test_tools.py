@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 
 import jsonschema  # type: ignore[import-untyped]
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from llguidance import LLMatcher, grammar_from
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper, grammar_from
 
+from specdec_native.server import _answer_end, _tool_output
 from specdec_native.tools import (
     StreamedAnswer,
     StreamedText,
@@ -175,27 +177,76 @@ def test_hermes_output_is_read_as_calls_or_text() -> None:
     assert read_hermes('<tool_call>\n{"name": 3}\n</tool_call>') == (None, [])
     assert read_hermes("<tool_call>\nnot json\n</tool_call>") == (None, [])
     assert read_hermes("Sunny, 21 C.") == ("Sunny, 21 C.", [])
+    content, calls = read_hermes("Let me look that up.\n" + two)
+    assert content == "Let me look that up." and [c.name for c in calls] == ["f", "g"]
+    assert read_hermes("Let me look that up.\n" + two[:-4]) == (None, [])
     tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, None, "hermes")
     assert tools.read(two)[1] and isinstance(tools.streamed(), StreamedText)
 
 
+def streamed_text(text: str, cuts: list[int]) -> str:
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    reader = StreamedText()
+    given_text = "".join(
+        part for a, b in zip(bounds, bounds[1:]) for part in reader.feed(text[a:b])
+    )
+    assert given_text == reader.streamed
+    return given_text
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+
 @given(
-    answer=st.text(min_size=1).filter(lambda t: not t.startswith("<tool_call>")),
+    answer=st.text(min_size=1).filter(lambda t: "<tool_call>" not in t),
     cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12),
 )
 @example(answer="<tool_", cuts=[1, 3])
 @example(answer="<tool_cal!", cuts=[5])
-def test_hermes_text_streams_once_it_cannot_be_a_call(answer: str, cuts: list[int]) -> None:
-    bounds = sorted({0, len(answer), *(c % (len(answer) + 1) for c in cuts)})
-    reader = StreamedText()
-    given_text = "".join(
-        part for a, b in zip(bounds, bounds[1:]) for part in reader.feed(answer[a:b])
-    )
-    # All of it, unless it is still a prefix of the tag (the end gives the rest).
-    assert given_text == reader.streamed == ("" if "<tool_call>".startswith(answer) else answer)
-    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    calls = StreamedText()
-    assert [p for i in range(len(call)) for p in calls.feed(call[i])] == []
+@example(answer="Let me see. ", cuts=[11])
+def test_hermes_text_streams_unless_it_can_start_a_call(answer: str, cuts: list[int]) -> None:
+    # All of it, but for an end that may still open a tag and spaces (the end gives the rest).
+    longest = min(len(answer), 10)
+    held = next((n for n in range(longest, 0, -1) if "<tool_call>".startswith(answer[-n:])), 0)
+    assert streamed_text(answer, cuts) == answer[: len(answer) - held].rstrip()
+    # Text before a call is the content beside it: streamed up to the tag, then nothing.
+    assert streamed_text(answer + CALL, cuts) == answer.rstrip()
+    assert read_hermes(answer + CALL)[0] == (answer.rstrip() or None)
+    assert streamed_text(CALL, cuts) == ""
+
+
+class ByteTokens:
+    """A vocabulary of single bytes, for llguidance to check text against a grammar."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+def grammar_accepts(grammar: str, text: str) -> bool:
+    matcher = LLMatcher(LLTokenizer(TokenizerWrapper(ByteTokens())), grammar_from("lark", grammar))
+    assert not matcher.is_error(), matcher.get_error()
+    return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
+
+
+def test_hermes_answers_may_go_on_into_calls() -> None:
+    functions = [{"name": "f", "parameters": {}}]
+    grammar = ToolFormat(functions, "auto", True, None, "hermes").constraint()[1]
+    assert grammar_accepts(grammar, CALL)
+    assert grammar_accepts(grammar, "Sunny, 21 C.")
+    assert grammar_accepts(grammar, "Let me look that up.\n" + CALL)
+    assert grammar_accepts(grammar, "I will call f twice.\n" + CALL + "\n" + CALL)
+    assert not grammar_accepts(grammar, "Let me look.\n<tool_call>\nnot a call")
+    one = ToolFormat(functions, "auto", False, None, "hermes").constraint()[1]
+    assert grammar_accepts(one, "Now f.\n" + CALL)
+    assert not grammar_accepts(one, "Now f.\n" + CALL + "\n" + CALL)
+    # A call that is required, or an answer under a schema, starts at once.
+    required = ToolFormat(functions, "required", True, None, "hermes").constraint()[1]
+    assert grammar_accepts(required, CALL)
+    assert not grammar_accepts(required, "Now f.\n" + CALL)
 
 
 def test_a_template_sees_calls_and_results_as_they_were() -> None:
@@ -288,3 +339,27 @@ def test_hermes_output_is_read_in_linear_time() -> None:
     assert len(read_hermes(text.rsplit("\n", 2)[0])[1]) == 60
     # A backtracking reader took seconds at 20 calls, doubling with each one.
     assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize(
+    "syntax,text,content",
+    [
+        ("generic", '{"response": "Hello wor', "Hello wor"),  # a cut answer: its text
+        ("generic", '{"tool_calls": [{"name": "f", "argu', '{"tool_calls": [{"name": "f", "argu'),
+        ("generic", '{"response": "Hi"}', "Hi"),
+        ("hermes", "Let me look.\n<tool_call>\n{", "Let me look.\n<tool_call>\n{"),
+        ("hermes", "Let me look.\n" + CALL, "Let me look."),
+        ("hermes", "Sunny. ", "Sunny. "),
+    ],
+)
+def test_streamed_or_not_the_content_is_the_same(syntax: str, text: str, content: str) -> None:
+    tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, None, syntax)
+    whole = tools.streamed()
+    for _ in whole.feed(text):
+        pass
+    assert _tool_output(tools, text, whole.streamed)[0] == content
+    for cut in range(len(text) + 1):
+        reader = tools.streamed()
+        streamed = "".join([*reader.feed(text[:cut]), *reader.feed(text[cut:])])
+        rest = "".join(c["delta"].get("content", "") for c in _answer_end(tools, reader, text))
+        assert streamed + rest == content
