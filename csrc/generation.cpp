@@ -76,8 +76,8 @@ int Generation::add_prefill(Batch& batch, int budget) {
     // part of the prompt's cost.
     if (drafts_with_model_) {
         const auto start = Clock::now();
-        stats().n_draft_read += static_cast<int>(
-            parts_.drafter->prefill(seq_id_, seq_, static_cast<size_t>(added)));
+        stats().n_draft_read +=
+            static_cast<int>(parts_.drafter->prefill(seq_id_, seq_, static_cast<size_t>(added)));
         stats().t_prompt += seconds_since(start);
     }
     return added;
