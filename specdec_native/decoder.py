@@ -938,8 +938,8 @@ class SpeculativeDecoder:
         ``chat_template`` as given to the constructor, else the model's own.
 
         ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects),
-        need a Jinja template that takes tools (``tool_syntax`` "hermes"); it also sees a tool
-        message's "tool_call_id"."""
+        need a Jinja template that takes tools (``tool_syntax`` not "generic"); it also sees a
+        tool message's "tool_call_id"."""
         checked = [_chat_message(i, m) for i, m in enumerate(messages)]
         if not checked:
             raise ValueError("messages must not be empty")
@@ -949,7 +949,7 @@ class SpeculativeDecoder:
         template = self._tools_template() if with_tools else self._chat_template
         if with_tools and template is None:
             raise ValueError(
-                "tools need a chat template that takes them (tool_syntax 'hermes'); this "
+                "tools need a chat template that takes them (tool_syntax not 'generic'); this "
                 "decoder's writes tool calls in the generic format (specdec_native.tools)"
             )
         if template is not None and template.jinja is not None:
@@ -965,9 +965,11 @@ class SpeculativeDecoder:
     @property
     def tool_syntax(self) -> str:
         """How the chat template writes tool calls: "hermes" where it takes the tools and
-        writes calls in <tool_call> tags (the server then renders tools through it), else
-        "generic" (the server's own JSON format: specdec_native.tools)."""
-        return "generic" if self._tools_template() is None else "hermes"
+        writes calls in <tool_call> tags, "llama3" where it writes a call as a message of JSON
+        with "parameters" (the server then renders tools through it), else "generic" (the
+        server's own JSON format: specdec_native.tools)."""
+        template = self._tools_template()
+        return "generic" if template is None else template.tool_syntax
 
     @functools.cached_property
     def tool_tags_are_tokens(self) -> bool:

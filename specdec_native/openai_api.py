@@ -182,8 +182,8 @@ class _Generation(_Body):
 
     def tool_format(self, syntax: str = "generic", tag_tokens: bool = False) -> ToolFormat | None:
         """What the tools and tool_choice ask of the output, calls written in `syntax`
-        ("generic" or "hermes"; `tag_tokens`: its tags are special tokens); None where no
-        tool may be called."""
+        ("generic", "hermes" or "llama3"; `tag_tokens`: hermes tags are special tokens); None
+        where no tool may be called."""
         try:
             answer = self._response_schema
             return tool_format(

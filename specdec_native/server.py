@@ -51,6 +51,7 @@ from specdec_native.openai_api import (
 from specdec_native.tools import (
     StreamedAnswer,
     StreamedText,
+    StreamedUnlessCall,
     ToolCall,
     ToolFormat,
     conversation,
@@ -423,7 +424,7 @@ def _tool_output(tools: ToolFormat, text: str, streamed: str) -> tuple[str, list
 
 
 def _answer_end(
-    tools: ToolFormat, answer: StreamedAnswer | StreamedText, text: str
+    tools: ToolFormat, answer: StreamedAnswer | StreamedText | StreamedUnlessCall, text: str
 ) -> list[dict[str, Any]]:
     """The chunks' choices a streamed output with tools ends with: what of its content was
     not streamed yet, then its tool calls."""

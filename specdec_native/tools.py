@@ -20,7 +20,13 @@ calls included, and the model answers in text or with calls, one JSON object per
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-In both, `tool_choice` picks what the grammar allows ("auto": an answer or calls; "required":
+The "llama3" format, of chat templates that take `tools` and write a call as the whole
+message, one JSON object with its "parameters" (Llama 3.1-3.3's; their results come back as
+"ipython" messages, which the template writes): the model answers in text or with one call:
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+In all, `tool_choice` picks what the grammar allows ("auto": an answer or calls; "required":
 calls; a named function: calls of it).
 """
 
@@ -39,13 +45,18 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 def template_syntax(template: str) -> str:
     """The tool-call format a Jinja chat template's text writes: "hermes" where it takes the
-    tools and writes calls as JSON ({"name": ..., "arguments": ...}) in <tool_call> tags, else
-    "generic" (a template that knows no tools, or writes calls another way: Qwen3-Coder's and
-    GLM's XML inside the same tags)."""
-    takes_tools = re.search(r"\btools\b", template) is not None
-    json_calls = CALL_OPEN in template and '"name"' in template and '"arguments"' in template
+    tools and writes calls as JSON ({"name": ..., "arguments": ...}) in <tool_call> tags;
+    "llama3" where it writes a call as a message of JSON ({"name": ..., "parameters": ...})
+    and results as "ipython" messages; else "generic" (a template that knows no tools, or
+    writes calls another way: Qwen3-Coder's and GLM's XML inside the tags)."""
+    if re.search(r"\btools\b", template) is None:
+        return "generic"
     xml_calls = "<function=" in template or "<arg_key>" in template
-    return "hermes" if takes_tools and json_calls and not xml_calls else "generic"
+    if CALL_OPEN in template and '"name"' in template and '"arguments"' in template:
+        return "generic" if xml_calls else "hermes"
+    if '"parameters"' in template and "ipython" in template:
+        return "llama3"
+    return "generic"
 
 
 class ToolError(ValueError):
@@ -75,17 +86,19 @@ class ToolFormat:
     choice: str  # "auto", "required", or a function's name
     parallel: bool
     response_schema: dict[str, Any] | bool | None  # the answer's schema (response_format)
-    syntax: str = "generic"  # how calls are written: "generic" or "hermes"
+    syntax: str = "generic"  # how calls are written: "generic", "hermes" or "llama3"
     tag_tokens: bool = False  # the hermes tags are special tokens of the vocabulary
 
     def constraint(self) -> tuple[str, str]:
         """The grammar of the whole output, as (kind, text) for the engine."""
         if self.syntax == "hermes":
             return ("lark", self._hermes_grammar())
+        if self.syntax == "llama3":
+            return ("lark", self._llama3_grammar())
         return ("json_schema", json.dumps(self.schema()))
 
-    def _calls(self, defs: dict[str, Any]) -> list[dict[str, Any]]:
-        """The schema of each call the choice allows: {"name": ..., "arguments": {...}}."""
+    def _calls(self, defs: dict[str, Any], arguments: str = "arguments") -> list[dict[str, Any]]:
+        """The schema of each call the choice allows: {"name": ..., `arguments`: {...}}."""
         called = self.functions
         if self.choice not in ("auto", "required"):
             called = [f for f in self.functions if f["name"] == self.choice]
@@ -93,7 +106,7 @@ class ToolFormat:
             _object(
                 {
                     "name": {"const": f["name"]},
-                    "arguments": _embedded(_closed_arguments(f["parameters"]), f"tool{i}", defs),
+                    arguments: _embedded(_closed_arguments(f["parameters"]), f"tool{i}", defs),
                 }
             )
             for i, f in enumerate(called)
@@ -118,17 +131,7 @@ class ToolFormat:
         hermes format: calls in tags, or (tool_choice "auto") an answer, text with no tag in
         it or JSON of the response format's schema. A text answer may go on into calls, as
         models write them ("Let me look that up." and a call), or after their thinking."""
-        defs: dict[str, Any] = {}
-        calls = self._calls(defs)
-        call: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
-        if defs:
-            call = {**call, "$defs": defs}
-        # Calls on one line, spaced as the templates write them back (json.dumps).
-        call["x-guidance"] = {
-            "whitespace_flexible": False,
-            "item_separator": ", ",
-            "key_separator": ": ",
-        }
+        call = self._call_schema("arguments")
         # Tags that are special tokens (Qwen's) are written by name: their bytes spelt out
         # are text the model never saw.
         opened, closed = (
@@ -153,6 +156,32 @@ class ToolFormat:
             lines.append(f'LEAD: TEXT "{CALL_OPEN}"')
         return "\n".join([f"start: calls | TEXT | {lead}{more}", *lines])
 
+    def _call_schema(self, arguments: str) -> dict[str, Any]:
+        """The JSON schema of one call, written on one line and spaced as the templates write
+        calls back (json.dumps)."""
+        defs: dict[str, Any] = {}
+        calls = self._calls(defs, arguments)
+        call: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+        if defs:
+            call = {**call, "$defs": defs}
+        call["x-guidance"] = {
+            "whitespace_flexible": False,
+            "item_separator": ", ",
+            "key_separator": ": ",
+        }
+        return call
+
+    def _llama3_grammar(self) -> str:
+        """The Lark grammar of the output in the llama3 format: one call, the whole output,
+        or (tool_choice "auto") an answer: text that does not open with "{", or JSON of the
+        response format's schema."""
+        call = f"%json {json.dumps(self._call_schema('parameters'))}"
+        if self.choice != "auto":
+            return f"start: {call}"
+        if self.response_schema is not None:
+            return f"start: {call} | %json {json.dumps(self.response_schema)}"
+        return "\n".join([f"start: {call} | TEXT", "TEXT: /(.|\\n)+/ & ~/\\s*\\{(.|\\n)*/"])
+
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape)."""
         return [{"type": "function", "function": f} for f in self.functions]
@@ -160,11 +189,15 @@ class ToolFormat:
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The output as (content, tool calls); None for text that is not a complete output
         of the format (cut short by max_tokens, say)."""
-        return read_hermes(text) if self.syntax == "hermes" else read_output(text)
+        if self.syntax == "hermes":
+            return read_hermes(text)
+        return read_llama3(text) if self.syntax == "llama3" else read_output(text)
 
-    def streamed(self) -> StreamedAnswer | StreamedText:
+    def streamed(self) -> StreamedAnswer | StreamedText | StreamedUnlessCall:
         """A reader of the output as it comes, giving the answer's text once it is known."""
-        return StreamedText() if self.syntax == "hermes" else StreamedAnswer()
+        if self.syntax == "hermes":
+            return StreamedText()
+        return StreamedUnlessCall() if self.syntax == "llama3" else StreamedAnswer()
 
     def instructions(self) -> str:
         """The system message's text that tells the model the tools and the format."""
@@ -463,6 +496,45 @@ def read_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
             arguments = json.dumps(arguments, ensure_ascii=False)
         calls.append(ToolCall(value["name"], arguments))
     return text[:start].rstrip() or None, calls
+
+
+def read_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Output in the llama3 format as (content, tool calls): text that opens with "{" is a
+    call, a JSON object with a name and parameters (else None, []); other text is an answer."""
+    if not text.lstrip().startswith("{"):
+        return text, []
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None, []
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None, []
+    arguments = value.get("parameters", value.get("arguments", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return None, [ToolCall(value["name"], arguments)]
+
+
+class StreamedUnlessCall:
+    """Reads llama3 output as it comes: text is the answer, given as it comes once its first
+    character that is no space is not "{"; a call is read whole at the end."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.streamed = ""  # the answer's text given so far
+        self._answer: bool | None = None  # None: not known yet
+
+    def feed(self, piece: str) -> Iterator[str]:
+        self.text += piece
+        if self._answer is None:
+            head = self.text.lstrip()
+            if not head:
+                return
+            self._answer = not head.startswith("{")
+        if self._answer and len(self.text) > len(self.streamed):
+            given = self.text[len(self.streamed) :]
+            self.streamed = self.text
+            yield given
 
 
 class StreamedText:

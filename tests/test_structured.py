@@ -302,6 +302,29 @@ def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -
         assert out.tokens[0] == ids[0] and ids[1] in out.tokens, out.text
         content, calls = tools.read(out.text)
         assert content is None and [c.name for c in calls] == ["weather"]
+    # A template that writes a call as the whole message (Llama 3's): one call, read back.
+    llama3 = (Path(__file__).parent / "templates" / "llama3-tools.jinja").read_text()
+    target = models.write_tiny_model(tmp_path / "llama3.gguf", chat_template=llama3)
+    with sd.SpeculativeDecoder(target, draft, n_draft=3, n_ctx=1024, n_threads=1) as dec:
+        assert dec.tool_syntax == "llama3"
+        tools = ToolFormat(functions, "weather", True, None, "llama3")
+        prompt = dec.apply_chat_template(
+            [{"role": "user", "content": "weather?"}], tools=tools.template_tools()
+        )
+        assert '"name": "weather"' in prompt and "ipython" in prompt
+        for temperature, k in ((0.0, 3), (0.8, 0)):
+            out = dec.generate(
+                prompt,
+                200,
+                temperature=temperature,
+                seed=7,
+                n_draft=k,
+                grammar=tools.constraint()[1],
+            )
+            assert out.finish_reason == "stop", out.text
+            content, calls = tools.read(out.text)
+            assert content is None and [c.name for c in calls] == ["weather"]
+            jsonschema.validate(json.loads(calls[0].arguments), weather)
     # A template that knows no tools: tools are the server's generic format, not the template's.
     plain = models.write_tiny_model(tmp_path / "plain.gguf", chat_template="{{ messages }}")
     with sd.SpeculativeDecoder(plain, n_ctx=256, n_threads=1) as dec:

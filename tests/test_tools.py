@@ -17,16 +17,19 @@ from specdec_native.server import _answer_end, _tool_output
 from specdec_native.tools import (
     StreamedAnswer,
     StreamedText,
+    StreamedUnlessCall,
     ToolCall,
     ToolFormat,
     conversation,
     read_hermes,
+    read_llama3,
     read_output,
     template_conversation,
     template_syntax,
 )
 
 TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
+LLAMA3_TEMPLATE = Path(__file__).parent / "templates" / "llama3-tools.jinja"
 
 
 def test_tool_schemas_keep_their_own_references() -> None:
@@ -140,6 +143,9 @@ def test_a_template_that_takes_tools_and_writes_tags_is_hermes() -> None:
     # Calls written as XML in the same tags (Qwen3-Coder, GLM) are another format.
     xml = TOOLS_TEMPLATE.read_text() + "<function={{ name }}>"
     assert template_syntax(xml) == "generic"
+    # A call as a message of JSON with "parameters", results as ipython messages: Llama 3's.
+    assert template_syntax(LLAMA3_TEMPLATE.read_text()) == "llama3"
+    assert template_syntax(chatml + '{{ tools }} "parameters"') == "generic"
 
 
 WEATHER = {
@@ -350,6 +356,9 @@ def test_hermes_output_is_read_in_linear_time() -> None:
         ("hermes", "Let me look.\n<tool_call>\n{", "Let me look.\n<tool_call>\n{"),
         ("hermes", "Let me look.\n" + CALL, "Let me look."),
         ("hermes", "Sunny. ", "Sunny. "),
+        ("llama3", '{"name": "f", "parameters": {}}', ""),
+        ("llama3", '{"name": "f", "param', '{"name": "f", "param'),
+        ("llama3", " Sunny {not a call}", " Sunny {not a call}"),
     ],
 )
 def test_streamed_or_not_the_content_is_the_same(syntax: str, text: str, content: str) -> None:
@@ -363,3 +372,32 @@ def test_streamed_or_not_the_content_is_the_same(syntax: str, text: str, content
         streamed = "".join([*reader.feed(text[:cut]), *reader.feed(text[cut:])])
         rest = "".join(c["delta"].get("content", "") for c in _answer_end(tools, reader, text))
         assert streamed + rest == content
+
+
+def test_llama3_output_is_one_call_or_text() -> None:
+    functions = [{"name": "weather", "parameters": WEATHER}, {"name": "time", "parameters": {}}]
+    for choice in ("auto", "required", "time"):
+        for answer in (None, {"type": "object"}):
+            kind, text = ToolFormat(functions, choice, True, answer, "llama3").constraint()
+            assert kind == "lark"
+            assert LLMatcher.validate_grammar(grammar_from("lark", text)) == "", text
+    grammar = ToolFormat(functions, "auto", True, None, "llama3").constraint()[1]
+    call = '{"name": "weather", "parameters": {"city": "Paris"}}'
+    assert grammar_accepts(grammar, call)
+    assert grammar_accepts(grammar, "It is sunny in {Paris}.")
+    assert not grammar_accepts(grammar, '{"name": "weather", "parameters": {"town": "Paris"}}')
+    assert not grammar_accepts(grammar, "  {not a call}")
+    assert not grammar_accepts(grammar, call + "\n" + call)  # one call per message
+    required = ToolFormat(functions, "required", True, None, "llama3").constraint()[1]
+    assert grammar_accepts(required, call) and not grammar_accepts(required, "Sunny.")
+    content, calls = read_llama3(call)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("weather", {"city": "Paris"})
+    ]
+    assert read_llama3("Sunny.") == ("Sunny.", [])
+    assert read_llama3(call[:-3]) == (None, [])
+    assert read_llama3('{"parameters": {}}') == (None, [])
+    reader = StreamedUnlessCall()
+    assert [p for c in call for p in reader.feed(c)] == []
+    reader = StreamedUnlessCall()
+    assert "".join(p for c in " Sunny {x}" for p in reader.feed(c)) == " Sunny {x}"
