@@ -937,6 +937,9 @@ class SpeculativeDecoder:
         """Formats messages ([{"role": ..., "content": ...}]) with the decoder's chat template:
         ``chat_template`` as given to the constructor, else the model's own.
 
+        Where the model's own template takes tools it is rendered as Jinja (as Hugging Face
+        does), other model templates as llama.cpp reads them (its built-in formats).
+
         ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects),
         need a Jinja template that takes tools (``tool_syntax`` not "generic"); it also sees a
         tool message's "tool_call_id"."""
@@ -946,7 +949,10 @@ class SpeculativeDecoder:
         _check_bool("add_generation_prompt", add_generation_prompt)
         engine = self._live()
         with_tools = tools is not None or any("tool_calls" in m for m in checked)
-        template = self._tools_template() if with_tools else self._chat_template
+        # A model's own template that takes tools renders every chat, with tools or without,
+        # so that both see the same prompt (its default system message, say).
+        given = self._chat_template
+        template = self._tools_template() if with_tools or given is None else given
         if with_tools and template is None:
             raise ValueError(
                 "tools need a chat template that takes them (tool_syntax not 'generic'); this "

@@ -331,3 +331,26 @@ def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -
         assert dec.tool_syntax == "generic" and not dec.tool_tags_are_tokens
         with pytest.raises(ValueError, match="tools need a chat template"):
             dec.apply_chat_template([{"role": "user", "content": "x"}], tools=[])
+
+
+def test_a_models_own_template_that_takes_tools_renders_every_chat(tmp_path: Path) -> None:
+    """Chats without tools go through the same Jinja template as chats with them: its default
+    system message (Qwen 2.5's kind) is in both, where llama.cpp's built-in reading of the
+    template would leave it out."""
+    template = (
+        "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}; call them as "
+        '<tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
+        "{%- elif messages[0].role != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
+        "{%- endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    target = models.write_tiny_model(tmp_path / "own.gguf", chat_template=template)
+    chat = [{"role": "user", "content": "hi"}]
+    with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1) as dec:
+        assert dec.tool_syntax == "hermes"
+        assert dec.apply_chat_template(chat).startswith("<|im_start|>system\nYou are helpful.")
+        with_tools = dec.apply_chat_template(chat, tools=[{"type": "function", "function": {}}])
+        assert with_tools.startswith("<|im_start|>system\nTools: ")
+    # A template the caller names renders chats without tools.
+    with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1, chat_template="chatml") as dec:
+        assert dec.apply_chat_template(chat).startswith("<|im_start|>user\nhi")
