@@ -381,6 +381,10 @@ class ChatTemplate:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
         except RecursionError:
             raise ValueError("the chat template failed on these messages: too deep") from None
+        except Exception as e:  # its own arithmetic, the sandbox's limits: still the messages'
+            raise ValueError(
+                f"the chat template failed on these messages: {type(e).__name__}: {e}"
+            ) from None
 
 
 def _is_jinja(text: str) -> bool:

@@ -175,11 +175,17 @@ class ToolFormat:
         """The Lark grammar of the output in the llama3 format: one call, the whole output,
         or (tool_choice "auto") an answer: text that does not open with "{", or JSON of the
         response format's schema."""
-        call = f"%json {json.dumps(self._call_schema('parameters'))}"
+        schema = self._call_schema("parameters")
+        call = f"%json {json.dumps(schema)}"
         if self.choice != "auto":
             return f"start: {call}"
         if self.response_schema is not None:
-            return f"start: {call} | %json {json.dumps(self.response_schema)}"
+            # Both open with "{": llguidance needs the same JSON options on both, else it
+            # drops the answer where it shares the call's lexemes ({"name": "...).
+            answer = {} if self.response_schema is True else self.response_schema
+            if isinstance(answer, dict):
+                answer = {**answer, "x-guidance": schema["x-guidance"]}
+            return f"start: {call} | %json {json.dumps(answer)}"
         return "\n".join([f"start: {call} | TEXT", "TEXT: /(.|\\n)+/ & ~/\\s*\\{(.|\\n)*/"])
 
     def template_tools(self) -> list[dict[str, Any]]:
@@ -191,7 +197,9 @@ class ToolFormat:
         of the format (cut short by max_tokens, say)."""
         if self.syntax == "hermes":
             return read_hermes(text)
-        return read_llama3(text) if self.syntax == "llama3" else read_output(text)
+        if self.syntax == "llama3":
+            return read_llama3(text, {f["name"] for f in self.functions})
+        return read_output(text)
 
     def streamed(self) -> StreamedAnswer | StreamedText | StreamedUnlessCall:
         """A reader of the output as it comes, giving the answer's text once it is known."""
@@ -498,7 +506,7 @@ def read_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     return text[:start].rstrip() or None, calls
 
 
-def read_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
+def read_llama3(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """Output in the llama3 format as (content, tool calls): text that opens with "{" is a
     call, a JSON object with a name and parameters (else None, []); other text is an answer."""
     if not text.lstrip().startswith("{"):
@@ -507,9 +515,14 @@ def read_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         return None, []
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None, []
-    arguments = value.get("parameters", value.get("arguments", {}))
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"name", "parameters"}
+        or not isinstance(value["name"], str)
+        or (names is not None and value["name"] not in names)
+    ):
+        return None, []  # not a call (a JSON answer of the response format, say): text
+    arguments = value["parameters"]
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return None, [ToolCall(value["name"], arguments)]

@@ -665,8 +665,11 @@ def test_a_tool_round_trip(tools_at: ToolServer, smollm2_q40: Path) -> None:
             assert r.choices[0].finish_reason == "tool_calls"
             assert message.tool_calls and len(message.tool_calls) == 1
             _check_call(message.tool_calls[0])
-        else:  # (SmolLM2 may not end a text answer under a template it was not trained on)
-            assert r.choices[0].finish_reason in ("stop", "length") and message.content
+        else:
+            # SmolLM2 may not end a text answer under a Llama 3 template (its end token is not
+            # SmolLM2's).
+            ends = ("stop", "length") if tools_at.syntax == "llama3" else ("stop",)
+            assert r.choices[0].finish_reason in ends and message.content
     # Calls cut short by max_tokens are no calls: the text comes back as it is, "length".
     r = client.chat.completions.create(
         model="smol",

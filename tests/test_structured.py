@@ -312,6 +312,13 @@ def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -
             [{"role": "user", "content": "weather?"}], tools=tools.template_tools()
         )
         assert '"name": "weather"' in prompt and "ipython" in prompt
+        # The template's own refusal (two calls in one message) is a ValueError.
+        two = {"id": "c", "type": "function", "function": {"name": "time", "arguments": {}}}
+        twice: list[dict[str, Any]] = [
+            {"role": "assistant", "content": "", "tool_calls": [two, two]}
+        ]
+        with pytest.raises(ValueError, match="one call per message"):
+            dec.apply_chat_template(twice, tools=tools.template_tools())
         for temperature, k in ((0.0, 3), (0.8, 0)):
             out = dec.generate(
                 prompt,

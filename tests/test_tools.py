@@ -388,6 +388,17 @@ def test_llama3_output_is_one_call_or_text() -> None:
     assert not grammar_accepts(grammar, '{"name": "weather", "parameters": {"town": "Paris"}}')
     assert not grammar_accepts(grammar, "  {not a call}")
     assert not grammar_accepts(grammar, call + "\n" + call)  # one call per message
+    # An answer under a response format may have a "name" of its own: it stays an answer.
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    answered = ToolFormat(functions, "auto", True, person, "llama3")
+    assert grammar_accepts(answered.constraint()[1], '{"name": "Alice", "age": 3}')
+    assert grammar_accepts(answered.constraint()[1], call)
+    assert answered.read('{"name": "Alice", "age": 3}') == (None, [])  # the text as it is
+    assert answered.read(call)[1][0].name == "weather"
     required = ToolFormat(functions, "required", True, None, "llama3").constraint()[1]
     assert grammar_accepts(required, call) and not grammar_accepts(required, "Sunny.")
     content, calls = read_llama3(call)
