@@ -335,8 +335,9 @@ def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A chat template given by the user: a name llama.cpp knows ("chatml", "gemma", ...), or
-    the text of a Jinja template, rendered in a sandbox as Hugging Face's chat templates are."""
+    """A chat template: a name llama.cpp knows ("chatml", "gemma", ...), or the text of a
+    Jinja template (the user's, or the model's own), rendered in a sandbox as Hugging Face's
+    chat templates are."""
 
     name: str = ""
     jinja: Any = None  # the compiled template
@@ -366,6 +367,9 @@ class ChatTemplate:
     ) -> str:
         import jinja2
 
+        # OpenAI's "developer" role is the system message's to templates that know no such
+        # role (as llama.cpp's Jinja rendering maps it).
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
             return str(
                 self.jinja.render(
@@ -404,10 +408,13 @@ def _to_json(
     )
 
 
-def _model_template(info: dict[str, Any]) -> ChatTemplate:
-    """The model's own chat template, compiled where tools need it rendered (a template that
-    does not compile, or knows no tools, is left to llama.cpp's reading of it)."""
-    for key in ("chat_template_tool_use", "chat_template"):
+def _model_template(
+    info: dict[str, Any], keys: tuple[str, ...] = ("chat_template_tool_use", "chat_template")
+) -> ChatTemplate:
+    """The first of the model's own chat templates under `keys` that takes tools, compiled;
+    else an empty one (a template that does not compile, or knows no tools, is left to
+    llama.cpp's reading of it)."""
+    for key in keys:
         text = info.get(key) or ""
         if _is_jinja(text) and template_syntax(text) != "generic":
             try:
@@ -749,7 +756,9 @@ class SpeculativeDecoder:
         _check_not_forked()
         target_path = _check_model_path("target", target)
         self._chat_template = ChatTemplate.of(chat_template)
-        self._own_template: ChatTemplate | None = None  # the model's, compiled when needed
+        # The model's templates for chats with tools and without, compiled when first needed.
+        self._own_template: ChatTemplate | None = None
+        self._own_plain: ChatTemplate | None = None
         if draft is not None and os.fspath(draft) == NGRAM:
             draft, ngram = None, True
         draft_path = None if draft is None else _check_model_path("draft", draft)
@@ -941,8 +950,10 @@ class SpeculativeDecoder:
         """Formats messages ([{"role": ..., "content": ...}]) with the decoder's chat template:
         ``chat_template`` as given to the constructor, else the model's own.
 
-        Where the model's own template takes tools it is rendered as Jinja (as Hugging Face
-        does), other model templates as llama.cpp reads them (its built-in formats).
+        The model's own default template is rendered as Jinja where it takes tools (as
+        Hugging Face and ``llama-server --jinja`` render it: its own default system message
+        included), else read by llama.cpp's built-in formats; a GGUF's separate ``tool_use``
+        template renders chats with tools only.
 
         ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects),
         need a Jinja template that takes tools (``tool_syntax`` not "generic"); it also sees a
@@ -953,10 +964,10 @@ class SpeculativeDecoder:
         _check_bool("add_generation_prompt", add_generation_prompt)
         engine = self._live()
         with_tools = tools is not None or any("tool_calls" in m for m in checked)
-        # A model's own template that takes tools renders every chat, with tools or without,
-        # so that both see the same prompt (its default system message, say).
-        given = self._chat_template
-        template = self._tools_template() if with_tools or given is None else given
+        if with_tools:
+            template = self._tools_template()
+        else:
+            template = self._chat_template or self._plain_template()
         if with_tools and template is None:
             raise ValueError(
                 "tools need a chat template that takes them (tool_syntax not 'generic'); this "
@@ -991,6 +1002,13 @@ class SpeculativeDecoder:
             if len(tokens) != 1 or not engine.grammar_special(tokens[0]):
                 return False
         return True
+
+    def _plain_template(self) -> ChatTemplate | None:
+        """The model's own default template where it takes tools, for chats without them;
+        None: llama.cpp's built-in reading of it."""
+        if self._own_plain is None:
+            self._own_plain = _model_template(self._live().model_info(False), ("chat_template",))
+        return self._own_plain if self._own_plain.jinja is not None else None
 
     def _tools_template(self) -> ChatTemplate | None:
         """The Jinja template that renders tools: the one given, else the model's own; None

@@ -458,11 +458,12 @@ def write_tiny_model(
     output_noise: float = 0.0,
     noise_seed: int = 1,
     space_prefix: bool = True,
-    chat_template: str | None = None,
+    chat_template: str | Sequence[dict[str, str]] | None = None,
     user_tokens: Sequence[str] = (),
 ) -> Path:
     """A random llama-architecture model with a ~320-token SentencePiece vocabulary (and
-    ``chat_template`` as its own, ``user_tokens`` as user-defined tokens, if given).
+    ``chat_template`` as its own, ``user_tokens`` as user-defined tokens, if given; named
+    templates as [{"name": "default" or "tool_use", "template": ...}], as GGUFs carry them).
 
     ``output_noise`` adds N(0, output_noise^2) to the output head (drawn from ``noise_seed``):
     the same seed with noise gives a draft that differs from its target by a known amount.

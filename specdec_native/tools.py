@@ -13,7 +13,7 @@ assistant's calls as its JSON, the tools' results as a user message (templates t
 user and assistant turns take that too).
 
 The "hermes" format, of chat templates that take `tools` and write calls in <tool_call> tags
-(Qwen 2.5 and 3, Hermes, SmolLM3, ...): the template renders the tools and the conversation,
+(Qwen 2.5 and 3, QwQ, Hermes 2 Pro and 3, ...): the template renders the tools and the conversation,
 calls included, and the model answers in text or with calls, one JSON object per tag:
 
     <tool_call>

@@ -340,10 +340,13 @@ def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -
             dec.apply_chat_template([{"role": "user", "content": "x"}], tools=[])
 
 
-def test_a_models_own_template_that_takes_tools_renders_every_chat(tmp_path: Path) -> None:
-    """Chats without tools go through the same Jinja template as chats with them: its default
-    system message (Qwen 2.5's kind) is in both, where llama.cpp's built-in reading of the
-    template would leave it out."""
+def test_a_models_own_template_that_takes_tools_renders_chats_without_them(
+    tmp_path: Path,
+) -> None:
+    """Chats without tools go through the model's default Jinja template where it takes
+    tools, as Hugging Face renders it: its default system message is there, where llama.cpp's
+    built-in reading of the template would leave it out. A separate tool_use template (Hermes
+    2 Pro's kind) renders chats with tools only."""
     template = (
         "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}; call them as "
         '<tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
@@ -353,11 +356,34 @@ def test_a_models_own_template_that_takes_tools_renders_every_chat(tmp_path: Pat
     )
     target = models.write_tiny_model(tmp_path / "own.gguf", chat_template=template)
     chat = [{"role": "user", "content": "hi"}]
+    listed = [{"type": "function", "function": {"name": "f"}}]
     with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1) as dec:
         assert dec.tool_syntax == "hermes"
         assert dec.apply_chat_template(chat).startswith("<|im_start|>system\nYou are helpful.")
-        with_tools = dec.apply_chat_template(chat, tools=[{"type": "function", "function": {}}])
-        assert with_tools.startswith("<|im_start|>system\nTools: ")
+        assert dec.apply_chat_template(chat, tools=listed).startswith("<|im_start|>system\nTools: ")
+        # OpenAI's developer role is the system message to a template that knows no such role.
+        told = dec.apply_chat_template([{"role": "developer", "content": "Be brief."}, *chat])
+        assert told.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     # A template the caller names renders chats without tools.
     with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1, chat_template="chatml") as dec:
         assert dec.apply_chat_template(chat).startswith("<|im_start|>user\nhi")
+    # A default template without tools beside a tool_use one that cannot render without them.
+    chatml = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tool_use = (
+        'TOOLS{% for t in tools %} {{ t | tojson }}{% endfor %} <tool_call> "name" "arguments"\n'
+        + chatml
+    )
+    both = models.write_tiny_model(
+        tmp_path / "both.gguf",
+        chat_template=[
+            {"name": "default", "template": chatml},
+            {"name": "tool_use", "template": tool_use},
+        ],
+    )
+    with sd.SpeculativeDecoder(both, n_ctx=256, n_threads=1) as dec:
+        assert dec.tool_syntax == "hermes"
+        assert dec.apply_chat_template(chat).startswith("<|im_start|>user\nhi")
+        assert dec.apply_chat_template(chat, tools=listed).startswith("TOOLS ")
