@@ -43,31 +43,29 @@ GREEDY_TARGET_ONLY = {"speculative": {"n_max": 0}}
 TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
 
 
-@pytest.fixture(scope="module")
-def hermes_server(smollm2_q40: Path) -> Iterator[Server]:
-    """The chat server with a chat template that takes tools and writes calls in
-    <tool_call> tags: tools go through the template ("hermes" format)."""
+LLAMA3_TEMPLATE = Path(__file__).parent / "templates" / "llama3-tools.jinja"
+
+
+def template_server(model: Path, template: Path) -> Iterator[Server]:
+    """The chat server with a chat template of its own: tools go through it."""
     server = start(
-        smollm2_q40, "--draft", "ngram", "-c", "1024", "--model-alias", "smol",
-        "--chat-template", TOOLS_TEMPLATE,
+        model, "--draft", "ngram", "-c", "1024", "--model-alias", "smol",
+        "--chat-template", template,
     )  # fmt: skip
     yield server
     server.stop()
 
 
-LLAMA3_TEMPLATE = Path(__file__).parent / "templates" / "llama3-tools.jinja"
+@pytest.fixture(scope="module")
+def hermes_server(smollm2_q40: Path) -> Iterator[Server]:
+    """A template that takes tools and writes calls in <tool_call> tags ("hermes")."""
+    yield from template_server(smollm2_q40, TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def llama3_server(smollm2_q40: Path) -> Iterator[Server]:
-    """The chat server with a chat template that writes a call as a message of JSON with
-    "parameters" (the "llama3" format)."""
-    server = start(
-        smollm2_q40, "--draft", "ngram", "-c", "1024", "--model-alias", "smol",
-        "--chat-template", LLAMA3_TEMPLATE,
-    )  # fmt: skip
-    yield server
-    server.stop()
+    """A template that writes a call as a message of JSON with "parameters" ("llama3")."""
+    yield from template_server(smollm2_q40, LLAMA3_TEMPLATE)
 
 
 class ToolServer(NamedTuple):
