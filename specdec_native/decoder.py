@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, SupportsFloat, SupportsIndex, Union
 
 from specdec_native import _core, calibration
-from specdec_native.tools import CALL_CLOSE, CALL_OPEN, template_syntax
+from specdec_native.tools import GENERIC, ToolSyntax, template_syntax
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT: int = _core.MAX_DRAFT  # the longest draft a step may verify
@@ -341,7 +341,7 @@ class ChatTemplate:
 
     name: str = ""
     jinja: Any = None  # the compiled template
-    tool_syntax: str = "generic"  # how it writes tool calls (tools.template_syntax)
+    tool_syntax: ToolSyntax = GENERIC  # how it writes tool calls (tools.template_syntax)
 
     @classmethod
     def of(cls, template: str | None) -> ChatTemplate | None:
@@ -416,7 +416,7 @@ def _model_template(
     llama.cpp's reading of it)."""
     for key in keys:
         text = info.get(key) or ""
-        if _is_jinja(text) and template_syntax(text) != "generic":
+        if _is_jinja(text) and template_syntax(text).templated:
             try:
                 return ChatTemplate(jinja=_compile_jinja(text), tool_syntax=template_syntax(text))
             except ValueError:
@@ -956,7 +956,7 @@ class SpeculativeDecoder:
         template renders chats with tools only.
 
         ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects),
-        need a Jinja template that takes tools (``tool_syntax`` not "generic"); it also sees a
+        need a Jinja template that takes tools (``tool_syntax.templated``); it also sees a
         tool message's "tool_call_id"."""
         checked = [_chat_message(i, m) for i, m in enumerate(messages)]
         if not checked:
@@ -970,7 +970,7 @@ class SpeculativeDecoder:
             template = self._chat_template or self._plain_template()
         if with_tools and template is None:
             raise ValueError(
-                "tools need a chat template that takes them (tool_syntax not 'generic'); this "
+                "tools need a chat template that takes them (tool_syntax.templated); this "
                 "decoder's writes tool calls in the generic format (specdec_native.tools)"
             )
         if template is not None and template.jinja is not None:
@@ -984,24 +984,26 @@ class SpeculativeDecoder:
         )
 
     @property
-    def tool_syntax(self) -> str:
-        """How the chat template writes tool calls: "hermes" where it takes the tools and
-        writes calls in <tool_call> tags, "llama3" where it writes a call as a message of JSON
-        with "parameters" (the server then renders tools through it), else "generic" (the
-        server's own JSON format: specdec_native.tools)."""
+    def tool_syntax(self) -> ToolSyntax:
+        """How the chat template writes tool calls (specdec_native.tools): ``.name`` "hermes"
+        where it takes the tools and writes calls in <tool_call> tags, "llama3" where it writes
+        a call as a message of JSON with "parameters", "mistral" where it writes them as a
+        JSON array after [TOOL_CALLS] (the server then renders tools through it), else
+        "generic" (the server's own JSON format)."""
         template = self._tools_template()
-        return "generic" if template is None else template.tool_syntax
+        return GENERIC if template is None else template.tool_syntax
 
-    @functools.cached_property
-    def tool_tags_are_tokens(self) -> bool:
-        """Whether <tool_call> and </tool_call> are each one special token of the target's
-        vocabulary (Qwen's are): tool-call grammars then write them by name."""
+    def special_tokens(self, texts: Sequence[str]) -> dict[str, int]:
+        """Those of ``texts`` that are each one special token of the target's vocabulary
+        (Qwen's <tool_call>, Mistral's [TOOL_CALLS]), with their ids: tool-call grammars write
+        them by id."""
         engine = self._live()
-        for tag in (CALL_OPEN, CALL_CLOSE):
-            tokens = engine.tokenize(tag, False, True)
-            if len(tokens) != 1 or not engine.grammar_special(tokens[0]):
-                return False
-        return True
+        out = {}
+        for text in texts:
+            tokens = engine.tokenize(_check_text("a special token's text", text), False, True)
+            if len(tokens) == 1 and engine.grammar_special(tokens[0]):
+                out[text] = tokens[0]
+        return out
 
     def _plain_template(self) -> ChatTemplate | None:
         """The model's own default template where it takes tools, for chats without them;
@@ -1018,7 +1020,7 @@ class SpeculativeDecoder:
             if self._own_template is None:
                 self._own_template = _model_template(self._live().model_info(False))
             template = self._own_template
-        return template if template.tool_syntax != "generic" else None
+        return template if template.tool_syntax.templated else None
 
     def next_token_logits(self, tokens: Prompt, *, batched: bool = True) -> list[float]:
         """The target's logits for the token after ``tokens``, read afresh: in batches (as the

@@ -425,7 +425,7 @@ def build_zoo_member(member: ZooPair, progress: Progress = _quiet) -> tuple[Path
 
 
 def _tiny_vocab(
-    n_extra: int, user_tokens: Sequence[str] = ()
+    n_extra: int, user_tokens: Sequence[str] = (), control_tokens: Sequence[str] = ()
 ) -> tuple[list[str], list[float], list[int]]:
     import gguf
 
@@ -443,7 +443,9 @@ def _tiny_vocab(
     scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(words))]
     tokens += list(user_tokens)
     types += [gguf.TokenType.USER_DEFINED] * len(user_tokens)
-    scores += [0.0] * len(user_tokens)
+    tokens += list(control_tokens)
+    types += [gguf.TokenType.CONTROL] * len(control_tokens)
+    scores += [0.0] * (len(user_tokens) + len(control_tokens))
     return tokens, scores, [int(t) for t in types]
 
 
@@ -460,9 +462,11 @@ def write_tiny_model(
     space_prefix: bool = True,
     chat_template: str | Sequence[dict[str, str]] | None = None,
     user_tokens: Sequence[str] = (),
+    control_tokens: Sequence[str] = (),
 ) -> Path:
     """A random llama-architecture model with a ~320-token SentencePiece vocabulary (and
-    ``chat_template`` as its own, ``user_tokens`` as user-defined tokens, if given; named
+    ``chat_template`` as its own, ``user_tokens`` as user-defined tokens and
+    ``control_tokens`` as control ones, if given; named
     templates as [{"name": "default" or "tool_use", "template": ...}], as GGUFs carry them).
 
     ``output_noise`` adds N(0, output_noise^2) to the output head (drawn from ``noise_seed``):
@@ -473,7 +477,7 @@ def write_tiny_model(
     import gguf
 
     rng = np.random.default_rng(seed)
-    tokens, scores, types = _tiny_vocab(n_extra_tokens, user_tokens)
+    tokens, scores, types = _tiny_vocab(n_extra_tokens, user_tokens, control_tokens)
     n_vocab, n_ff, n_head = len(tokens), 2 * n_embd, 4
 
     def mat(rows: int, cols: int, scale: float) -> np.ndarray:

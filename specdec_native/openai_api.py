@@ -8,6 +8,7 @@ breaks one is a `BodyError` naming the field, never an exception from deep insid
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import (
@@ -19,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from .tools import ToolCall, ToolError, ToolFormat, tool_format
+from .tools import GENERIC, ToolCall, ToolError, ToolFormat, ToolSyntax, tool_format
 
 MAX_BODY_BYTES = 4 << 20
 MAX_NUMBER_DIGITS = 20  # 2**64 - 1 has 20: no field means anything past it
@@ -180,10 +181,12 @@ class _Generation(_Body):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def tool_format(self, syntax: str = "generic", tag_tokens: bool = False) -> ToolFormat | None:
+    def tool_format(
+        self, syntax: ToolSyntax = GENERIC, tag_tokens: Mapping[str, int] | None = None
+    ) -> ToolFormat | None:
         """What the tools and tool_choice ask of the output, calls written in `syntax`
-        ("generic", "hermes" or "llama3"; `tag_tokens`: hermes tags are special tokens); None
-        where no tool may be called."""
+        (`tag_tokens`: its tags that are special tokens, with their ids); None where no tool
+        may be called."""
         try:
             answer = self._response_schema
             return tool_format(

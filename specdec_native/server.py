@@ -48,15 +48,7 @@ from specdec_native.openai_api import (
     parse_body,
     read_json,
 )
-from specdec_native.tools import (
-    StreamedAnswer,
-    StreamedText,
-    StreamedUnlessCall,
-    ToolCall,
-    ToolFormat,
-    conversation,
-    template_conversation,
-)
+from specdec_native.tools import GENERIC, Streamed, ToolFormat
 
 log = logging.getLogger("specdec.server")
 
@@ -251,11 +243,12 @@ def _job(
     settings: ServerSettings,
 ) -> Job:
     """Maps a validated body to a generation."""
-    syntax = decoder.tool_syntax if isinstance(body, ChatCompletionRequest) else "generic"
-    tools = body.tool_format(syntax, syntax == "hermes" and decoder.tool_tags_are_tokens)
+    syntax = decoder.tool_syntax if isinstance(body, ChatCompletionRequest) else GENERIC
+    tools = body.tool_format(syntax, decoder.special_tokens(syntax.tags))
     constraint = body.constraint(tools)
     if isinstance(body, ChatCompletionRequest):
-        prompt: str | list[int] = _chat_prompt(body, tools, syntax, decoder)
+        messages, listed = syntax.chat([m.for_tools() for m in body.messages], tools)
+        prompt: str | list[int] = decoder.apply_chat_template(messages, tools=listed)
     else:
         prompt = body.prompt
     spec = body.speculative
@@ -283,21 +276,6 @@ def _job(
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, generation, body.stream, include_usage, tools)
-
-
-def _chat_prompt(
-    body: ChatCompletionRequest,
-    tools: ToolFormat | None,
-    syntax: str,
-    decoder: SpeculativeDecoder,
-) -> str:
-    """The chat's prompt: tools and calls rendered by the chat template where it takes them,
-    else written in the generic format."""
-    messages = [m.for_tools() for m in body.messages]
-    if syntax == "generic":
-        return decoder.apply_chat_template(conversation(messages, tools))
-    listed = None if tools is None else tools.template_tools()
-    return decoder.apply_chat_template(template_conversation(messages), tools=listed)
 
 
 def _refusal(e: BaseException) -> RequestError:
@@ -411,24 +389,10 @@ async def _disconnected(request: Request) -> None:
 # -- responses ---------------------------------------------------------------------------------
 
 
-def _tool_output(tools: ToolFormat, text: str, streamed: str) -> tuple[str, list[ToolCall]]:
-    """An output with tools as (content, calls), given what of its content a stream gave as it
-    came (`streamed`, "" when not streamed): streamed or not, a client gets the same content.
-    Output that is not the format after all (cut short by max_tokens, say) is its text as it
-    is, but for an answer whose text was streamed (a JSON string cut short): that text."""
-    content, calls = tools.read(text)
-    if content is None and not calls:
-        content = text
-    content = content or ""
-    return (content if content.startswith(streamed) else streamed), calls
-
-
-def _answer_end(
-    tools: ToolFormat, answer: StreamedAnswer | StreamedText | StreamedUnlessCall, text: str
-) -> list[dict[str, Any]]:
+def _answer_end(tools: ToolFormat, answer: Streamed, text: str) -> list[dict[str, Any]]:
     """The chunks' choices a streamed output with tools ends with: what of its content was
     not streamed yet, then its tool calls."""
-    content, calls = _tool_output(tools, text, answer.streamed)
+    content, calls = tools.output(text, answer.streamed)
     rest = content[len(answer.streamed) :]
     deltas: list[dict[str, Any]] = [{"content": rest}] if rest else []
     deltas += [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
@@ -721,10 +685,7 @@ class Server:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
         choice["logprobs"] = self._logprobs(run, result.logprobs)
         if run.chat and run.job.tools is not None:
-            reader = run.job.tools.streamed()
-            for _ in reader.feed(result.text):
-                pass
-            content, calls = _tool_output(run.job.tools, result.text, reader.streamed)
+            content, calls = run.job.tools.output(result.text)
             # No content beside calls is null, as OpenAI writes it.
             choice["message"] = {"role": "assistant", "content": content or (None if calls else "")}
             if calls:

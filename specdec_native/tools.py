@@ -13,8 +13,9 @@ assistant's calls as its JSON, the tools' results as a user message (templates t
 user and assistant turns take that too).
 
 The "hermes" format, of chat templates that take `tools` and write calls in <tool_call> tags
-(Qwen 2.5 and 3, QwQ, Hermes 2 Pro and 3, ...): the template renders the tools and the conversation,
-calls included, and the model answers in text or with calls, one JSON object per tag:
+(Qwen 2.5 and 3, QwQ, Hermes 2 Pro and 3, ...): the template renders the tools and the
+conversation, calls included, and the model answers in text or with calls, one JSON object
+per tag:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -26,48 +27,46 @@ message, one JSON object with its "parameters" (Llama 3.1-3.3's; their results c
 
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
+The "mistral" format, of chat templates that take `tools` and write calls as one JSON array
+after [TOOL_CALLS] (Mistral 7B v0.3, Nemo, Small 3): the model answers in text or with calls
+(an "id" as the templates write them back may follow the arguments; the template sees each
+call's id as 9 letters and digits, the only ids these templates take):
+
+    [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"}]
+
 In all, `tool_choice` picks what the grammar allows ("auto": an answer or calls; "required":
 calls; a named function: calls of it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 MAX_TOOLS = 128
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-
-
-def template_syntax(template: str) -> str:
-    """The tool-call format a Jinja chat template's text writes: "hermes" where it takes the
-    tools and writes calls as JSON ({"name": ..., "arguments": ...}) in <tool_call> tags;
-    "llama3" where it writes a call as a message of JSON ({"name": ..., "parameters": ...})
-    and results as "ipython" messages; else "generic" (a template that knows no tools, or
-    writes calls another way: Qwen3-Coder's and GLM's XML inside the tags)."""
-    if re.search(r"\btools\b", template) is None:
-        return "generic"
-    xml_calls = "<function=" in template or "<arg_key>" in template
-    if CALL_OPEN in template and '"name"' in template and '"arguments"' in template:
-        return "generic" if xml_calls else "hermes"
-    if '"parameters"' in template and "ipython" in template:
-        return "llama3"
-    return "generic"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+_NINE = re.compile(r"[A-Za-z0-9]{9}")
 
 
 class ToolError(ValueError):
     """Tools, a tool choice or a conversation that cannot be used: the message names it."""
 
 
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI's function.arguments
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str = field(default_factory=_call_id)
 
     def openai(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -78,6 +77,188 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
+class Streamed(Protocol):
+    """Reads an output with tools as it comes, giving its answer's text once it is known."""
+
+    streamed: str  # the answer's text given so far
+
+    def feed(self, piece: str) -> Iterator[str]: ...
+
+
+Message = tuple[str, "str | None", list[ToolCall], "str | None"]  # role, content, calls, call id
+
+
+class ToolSyntax:
+    """How tool calls are written, one object per format. This one is the generic format,
+    for any chat template: the server lists the tools in the system message and reads one
+    JSON object back. The others are the formats of Jinja templates that take `tools`."""
+
+    name = "generic"
+    templated = False  # the chat template renders the tools and the calls
+    tags: tuple[str, ...] = ()  # texts that a vocabulary may hold as one special token each
+
+    def takes(self, template: str) -> bool:
+        """Whether a Jinja template (one that names `tools`) writes calls this way."""
+        return True
+
+    def grammar(self, fmt: ToolFormat) -> tuple[str, str]:
+        """The grammar of the whole output, as (kind, text) for the engine."""
+        return ("json_schema", json.dumps(fmt.schema()))
+
+    def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The output as (content, tool calls); None, [] for text that is not a complete
+        output of the format (cut short by max_tokens, say)."""
+        return read_output(text)
+
+    def reader(self) -> Streamed:
+        return StreamedAnswer()
+
+    def chat(
+        self, messages: list[Message], fmt: ToolFormat | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and the tools as the chat template takes them."""
+        return conversation(messages, fmt), None
+
+    def __repr__(self) -> str:
+        return f"<tool syntax {self.name}>"
+
+
+class _Templated(ToolSyntax):
+    templated = True
+
+    def chat(
+        self, messages: list[Message], fmt: ToolFormat | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        listed = None if fmt is None else fmt.template_tools()
+        return template_conversation(messages, self.template_id), listed
+
+    def template_id(self, call_id: str) -> str:
+        """A call's id as the template takes it."""
+        return call_id
+
+
+class _Hermes(_Templated):
+    """Calls as JSON ({"name", "arguments"}) in <tool_call> tags, one per line."""
+
+    name = "hermes"
+    tags = (CALL_OPEN, CALL_CLOSE)
+
+    def takes(self, template: str) -> bool:
+        # Qwen3-Coder's and GLM's XML inside the same tags is another format.
+        xml_calls = "<function=" in template or "<arg_key>" in template
+        written = CALL_OPEN in template and '"name"' in template and '"arguments"' in template
+        return written and not xml_calls
+
+    def grammar(self, fmt: ToolFormat) -> tuple[str, str]:
+        call = json.dumps(fmt.json_calls("arguments"))
+        body = f'"\\n" %json {call} "\\n" {fmt.tag(CALL_CLOSE)}'
+        return ("lark", _tagged_grammar(fmt, CALL_OPEN, body, '"\\n"'))
+
+    def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+        return read_hermes(text, fmt.names)
+
+    def reader(self) -> Streamed:
+        return StreamedText(CALL_OPEN)
+
+
+class _Llama3(_Templated):
+    """A call as the whole message: one JSON object with its "parameters"."""
+
+    name = "llama3"
+
+    def takes(self, template: str) -> bool:
+        return '"parameters"' in template and "ipython" in template
+
+    def grammar(self, fmt: ToolFormat) -> tuple[str, str]:
+        """One call, the whole output, or (tool_choice "auto") an answer: text that does not
+        open with "{", or JSON of the response format's schema."""
+        schema = fmt.json_calls("parameters")
+        call = f"%json {json.dumps(schema)}"
+        if fmt.choice != "auto":
+            return ("lark", f"start: {call}")
+        if fmt.response_schema is not None:
+            # Both open with "{": llguidance needs the same JSON options on both, else it
+            # drops the answer where it shares the call's lexemes ({"name": "...).
+            answer = {} if fmt.response_schema is True else fmt.response_schema
+            if isinstance(answer, dict):
+                answer = {**answer, "x-guidance": schema["x-guidance"]}
+            return ("lark", f"start: {call} | %json {json.dumps(answer)}")
+        text = "TEXT: /(.|\\n)+/ & ~/\\s*\\{(.|\\n)*/"
+        return ("lark", "\n".join([f"start: {call} | TEXT", text]))
+
+    def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+        return read_llama3(text, fmt.names)
+
+    def reader(self) -> Streamed:
+        return StreamedUnlessCall()
+
+
+class _Mistral(_Templated):
+    """Calls as one JSON array after [TOOL_CALLS], each {"name", "arguments"} and maybe an
+    "id" of 9 letters and digits, as the templates write them back."""
+
+    name = "mistral"
+    tags = (MISTRAL_CALLS,)
+
+    def takes(self, template: str) -> bool:
+        # Newer templates write `[TOOL_CALLS]name[ARGS]{...}`: another format.
+        return MISTRAL_CALLS in template and "[ARGS]" not in template
+
+    def grammar(self, fmt: ToolFormat) -> tuple[str, str]:
+        calls = json.dumps(fmt.json_calls("arguments", with_id=True, array=True))
+        # Templates write the tag with a space after it (Mistral 7B v0.3, Small 3) or none (Nemo).
+        return ("lark", _tagged_grammar(fmt, MISTRAL_CALLS, f'" "? %json {calls}', None))
+
+    def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+        return read_mistral(text, fmt.names)
+
+    def reader(self) -> Streamed:
+        return StreamedText(MISTRAL_CALLS)
+
+    def template_id(self, call_id: str) -> str:
+        # Mistral's templates refuse ids that are not 9 letters and digits (some, shorter
+        # ones): others are mapped to 9 hex digits, the same for a call and its result.
+        if _NINE.fullmatch(call_id):
+            return call_id
+        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+GENERIC, HERMES, LLAMA3, MISTRAL = ToolSyntax(), _Hermes(), _Llama3(), _Mistral()
+SYNTAXES = (HERMES, LLAMA3, MISTRAL)  # in the order they are tried on a template
+
+
+def template_syntax(template: str) -> ToolSyntax:
+    """The tool-call format a Jinja chat template's text writes: one of SYNTAXES where it
+    takes the tools and writes calls that way, else GENERIC (a template that knows no tools,
+    or writes calls another way)."""
+    if re.search(r"\btools\b", template) is None:
+        return GENERIC
+    return next((s for s in SYNTAXES if s.takes(template)), GENERIC)
+
+
+def _tagged_grammar(fmt: ToolFormat, tag: str, body: str, separator: str | None) -> str:
+    """The Lark grammar (llguidance's, with embedded JSON schemas) of calls that each open
+    with `tag` and go on with `body`, one after another with `separator` between them (None:
+    one tag for all); with tool_choice "auto", or an answer: text with no tag in it, or JSON
+    of the response format's schema. A text answer may go on into calls, as models write
+    them ("Let me look that up." and a call), or after their thinking."""
+    opened = fmt.tag(tag)
+    more = f" ({separator} call)*" if fmt.parallel and separator else ""
+    lines = [f"calls: call{more}", f"call: {opened} body", f"body: {body}"]
+    if fmt.choice != "auto":
+        return "\n".join(["start: calls", *lines])
+    if fmt.response_schema is not None:
+        return "\n".join([f"start: calls | %json {json.dumps(fmt.response_schema)}", *lines])
+    lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{re.escape(tag)}(.|\\n)*/")
+    if tag in fmt.tag_tokens:
+        lead = "TEXT call"  # the tag token ends the text
+    else:
+        # Text and the tag as one lexeme: the text alone would take the tag's first bytes.
+        lead = "LEAD body"
+        lines.append(f"LEAD: TEXT {opened}")
+    return "\n".join([f"start: calls | TEXT | {lead}{more}", *lines])
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """What a request with tools asks of the output, and how to read it back."""
@@ -86,31 +267,70 @@ class ToolFormat:
     choice: str  # "auto", "required", or a function's name
     parallel: bool
     response_schema: dict[str, Any] | bool | None  # the answer's schema (response_format)
-    syntax: str = "generic"  # how calls are written: "generic", "hermes" or "llama3"
-    tag_tokens: bool = False  # the hermes tags are special tokens of the vocabulary
+    syntax: ToolSyntax = GENERIC  # how calls are written
+    # The syntax's tags that are special tokens of the vocabulary, with their ids.
+    tag_tokens: Mapping[str, int] = field(default_factory=dict)
 
     def constraint(self) -> tuple[str, str]:
         """The grammar of the whole output, as (kind, text) for the engine."""
-        if self.syntax == "hermes":
-            return ("lark", self._hermes_grammar())
-        if self.syntax == "llama3":
-            return ("lark", self._llama3_grammar())
-        return ("json_schema", json.dumps(self.schema()))
+        return self.syntax.grammar(self)
 
-    def _calls(self, defs: dict[str, Any], arguments: str = "arguments") -> list[dict[str, Any]]:
-        """The schema of each call the choice allows: {"name": ..., `arguments`: {...}}."""
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The output as (content, tool calls); None, [] for text that is not a complete
+        output of the format (cut short by max_tokens, say)."""
+        return self.syntax.read(self, text)
+
+    def streamed(self) -> Streamed:
+        """A reader of the output as it comes, giving the answer's text once it is known."""
+        return self.syntax.reader()
+
+    def output(self, text: str, streamed: str | None = None) -> tuple[str, list[ToolCall]]:
+        """The output as (content, calls), given what of its content a stream gave as it came
+        (`streamed`; None: what a stream would have given): streamed or not, a client gets
+        the same content. Output that is not the format after all (cut short by max_tokens,
+        say) is its text as it is, but for an answer whose text was streamed (a JSON string
+        cut short): that text."""
+        if streamed is None:
+            reader = self.streamed()
+            for _ in reader.feed(text):
+                pass
+            streamed = reader.streamed
+        content, calls = self.read(text)
+        if content is None and not calls:
+            content = text
+        content = content or ""
+        return (content if content.startswith(streamed) else streamed), calls
+
+    @property
+    def names(self) -> set[str]:
+        return {f["name"] for f in self.functions}
+
+    def tag(self, text: str) -> str:
+        """A tag as a Lark grammar writes it: by id where it is one special token (the token
+        the model was trained on, not its spelling), else its text."""
+        token = self.tag_tokens.get(text)
+        return json.dumps(text) if token is None else f"<[{token}]>"
+
+    def _calls(
+        self, defs: dict[str, Any], arguments: str = "arguments", with_id: bool = False
+    ) -> list[dict[str, Any]]:
+        """The schema of each call the choice allows: {"name": ..., `arguments`: {...}}, and
+        an optional "id" of 9 letters and digits `with_id`."""
         called = self.functions
         if self.choice not in ("auto", "required"):
             called = [f for f in self.functions if f["name"] == self.choice]
-        return [
-            _object(
+        out = []
+        for i, f in enumerate(called):
+            call = _object(
                 {
                     "name": {"const": f["name"]},
                     arguments: _embedded(_closed_arguments(f["parameters"]), f"tool{i}", defs),
                 }
             )
-            for i, f in enumerate(called)
-        ]
+            if with_id:
+                call["properties"]["id"] = {"type": "string", "pattern": f"^{_NINE.pattern}$"}
+            out.append(call)
+        return out
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema of the whole output in the generic format."""
@@ -126,86 +346,31 @@ class ToolFormat:
             out = {"anyOf": [out, _object({"response": answer})]}
         return {**out, "$defs": defs} if defs else out
 
-    def _hermes_grammar(self) -> str:
-        """The Lark grammar (llguidance's, with embedded JSON schemas) of the output in the
-        hermes format: calls in tags, or (tool_choice "auto") an answer, text with no tag in
-        it or JSON of the response format's schema. A text answer may go on into calls, as
-        models write them ("Let me look that up." and a call), or after their thinking."""
-        call = self._call_schema("arguments")
-        # Tags that are special tokens (Qwen's) are written by name: their bytes spelt out
-        # are text the model never saw.
-        opened, closed = (
-            (CALL_OPEN, CALL_CLOSE) if self.tag_tokens else (f'"{CALL_OPEN}"', f'"{CALL_CLOSE}"')
-        )
-        more = ' ("\\n" call)*' if self.parallel else ""
-        lines = [
-            f"calls: call{more}",
-            f"call: {opened} body",
-            f'body: "\\n" %json {json.dumps(call)} "\\n" {closed}',
-        ]
-        if self.choice != "auto":
-            return "\n".join(["start: calls", *lines])
-        if self.response_schema is not None:
-            return "\n".join([f"start: calls | %json {json.dumps(self.response_schema)}", *lines])
-        lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{CALL_OPEN}(.|\\n)*/")
-        if self.tag_tokens:
-            lead = "TEXT call"  # the tag token ends the text
-        else:
-            # Text and the tag as one lexeme: the text alone would take the tag's first bytes.
-            lead = "LEAD body"
-            lines.append(f'LEAD: TEXT "{CALL_OPEN}"')
-        return "\n".join([f"start: calls | TEXT | {lead}{more}", *lines])
-
-    def _call_schema(self, arguments: str) -> dict[str, Any]:
-        """The JSON schema of one call, written on one line and spaced as the templates write
+    def json_calls(
+        self, arguments: str, with_id: bool = False, array: bool = False
+    ) -> dict[str, Any]:
+        """The JSON schema of one call (or, `array`, of a list of them, one with
+        parallel_tool_calls false), written on one line and spaced as the templates write
         calls back (json.dumps)."""
         defs: dict[str, Any] = {}
-        calls = self._calls(defs, arguments)
-        call: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+        calls = self._calls(defs, arguments, with_id)
+        out: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+        if array:
+            out = {"type": "array", "items": out, "minItems": 1}
+            if not self.parallel:
+                out["maxItems"] = 1
         if defs:
-            call = {**call, "$defs": defs}
-        call["x-guidance"] = {
+            out = {**out, "$defs": defs}
+        out["x-guidance"] = {
             "whitespace_flexible": False,
             "item_separator": ", ",
             "key_separator": ": ",
         }
-        return call
-
-    def _llama3_grammar(self) -> str:
-        """The Lark grammar of the output in the llama3 format: one call, the whole output,
-        or (tool_choice "auto") an answer: text that does not open with "{", or JSON of the
-        response format's schema."""
-        schema = self._call_schema("parameters")
-        call = f"%json {json.dumps(schema)}"
-        if self.choice != "auto":
-            return f"start: {call}"
-        if self.response_schema is not None:
-            # Both open with "{": llguidance needs the same JSON options on both, else it
-            # drops the answer where it shares the call's lexemes ({"name": "...).
-            answer = {} if self.response_schema is True else self.response_schema
-            if isinstance(answer, dict):
-                answer = {**answer, "x-guidance": schema["x-guidance"]}
-            return f"start: {call} | %json {json.dumps(answer)}"
-        return "\n".join([f"start: {call} | TEXT", "TEXT: /(.|\\n)+/ & ~/\\s*\\{(.|\\n)*/"])
+        return out
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape)."""
         return [{"type": "function", "function": f} for f in self.functions]
-
-    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The output as (content, tool calls); None for text that is not a complete output
-        of the format (cut short by max_tokens, say)."""
-        if self.syntax == "hermes":
-            return read_hermes(text)
-        if self.syntax == "llama3":
-            return read_llama3(text, {f["name"] for f in self.functions})
-        return read_output(text)
-
-    def streamed(self) -> StreamedAnswer | StreamedText | StreamedUnlessCall:
-        """A reader of the output as it comes, giving the answer's text once it is known."""
-        if self.syntax == "hermes":
-            return StreamedText()
-        return StreamedUnlessCall() if self.syntax == "llama3" else StreamedAnswer()
 
     def instructions(self) -> str:
         """The system message's text that tells the model the tools and the format."""
@@ -348,11 +513,12 @@ def tool_format(
     tool_choice: Any,
     parallel: bool | None,
     response_schema: dict[str, Any] | bool | None,
-    syntax: str = "generic",
-    tag_tokens: bool = False,
+    syntax: ToolSyntax = GENERIC,
+    tag_tokens: Mapping[str, int] | None = None,
 ) -> ToolFormat | None:
-    """The format a request's `tools` and `tool_choice` ask for, calls written in `syntax`;
-    None where no tool may be called (no tools, or tool_choice "none")."""
+    """The format a request's `tools` and `tool_choice` ask for, calls written in `syntax`
+    (`tag_tokens`: its tags that are special tokens, with their ids); None where no tool may
+    be called (no tools, or tool_choice "none")."""
     functions = [_function(t) for t in tools or []]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
@@ -364,7 +530,8 @@ def tool_format(
         return None
     if choice not in ("auto", "required") and choice not in names:
         raise ToolError(f"tool_choice: no tool is named {choice!r}")
-    return ToolFormat(functions, choice, parallel is not False, response_schema, syntax, tag_tokens)
+    parallel = parallel is not False
+    return ToolFormat(functions, choice, parallel, response_schema, syntax, dict(tag_tokens or {}))
 
 
 def _function(tool: Any) -> dict[str, Any]:
@@ -391,7 +558,7 @@ def _choice(tool_choice: Any, have_tools: bool) -> str:
 
 
 def conversation(
-    messages: list[tuple[str, str | None, list[ToolCall], str | None]],
+    messages: list[Message],
     format: ToolFormat | None,
 ) -> list[dict[str, str]]:
     """The messages as the chat template takes them: (role, content, tool_calls,
@@ -426,24 +593,25 @@ def conversation(
 
 
 def template_conversation(
-    messages: list[tuple[str, str | None, list[ToolCall], str | None]],
+    messages: list[Message], template_id: Callable[[str], str] = str
 ) -> list[dict[str, Any]]:
     """The messages as a chat template that knows tools takes them: (role, content,
-    tool_calls, tool_call_id) each, calls with their arguments as objects."""
+    tool_calls, tool_call_id) each, calls with their arguments as objects and their ids as
+    `template_id` gives them."""
     out: list[dict[str, Any]] = []
     for role, content, calls, call_id in messages:
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if calls:
             message["tool_calls"] = [
                 {
-                    "id": c.id,
+                    "id": template_id(c.id),
                     "type": "function",
                     "function": {"name": c.name, "arguments": _arguments(c)},
                 }
                 for c in calls
             ]
         if role == "tool" and call_id is not None:
-            message["tool_call_id"] = call_id
+            message["tool_call_id"] = template_id(call_id)
         out.append(message)
     return out
 
@@ -476,12 +644,12 @@ def read_output(text: str) -> tuple[str | None, list[ToolCall]]:
     return None, []
 
 
-def read_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+def read_hermes(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """Output in the hermes format as (content, tool calls): text with no tag is an answer;
     text before the first tag is the content beside the calls (None when there is none);
-    calls must be complete tags of JSON objects with a name and arguments, else None, []. The
-    grammar writes each call on three lines (tag, JSON on one line, tag), so it is read line
-    by line, in linear time whatever the output."""
+    calls must be complete tags of calls (_read_call), else None, []. The grammar writes each
+    call on three lines (tag, JSON on one line, tag), so it is read line by line, in linear
+    time whatever the output."""
     start = text.find(CALL_OPEN)
     if start < 0:
         return text, []
@@ -491,41 +659,67 @@ def read_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     calls = []
     for i in range(0, len(lines), 3):
         opened, body, closed = lines[i : i + 3]
-        if opened != CALL_OPEN or closed != CALL_CLOSE:
+        call = _read_call(body, "arguments", names)
+        if opened != CALL_OPEN or closed != CALL_CLOSE or call is None:
             return None, []
-        try:
-            value = json.loads(body)
-        except (json.JSONDecodeError, RecursionError):
-            return None, []
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None, []
-        arguments = value.get("arguments", {})
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        calls.append(ToolCall(value["name"], arguments))
+        calls.append(call)
     return text[:start].rstrip() or None, calls
 
 
 def read_llama3(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """Output in the llama3 format as (content, tool calls): text that opens with "{" is a
-    call, a JSON object with a name and parameters (else None, []); other text is an answer."""
+    call (_read_call), else None, [] (a JSON answer of the response format, say); other text
+    is an answer."""
     if not text.lstrip().startswith("{"):
         return text, []
+    call = _read_call(text, "parameters", names)
+    return (None, []) if call is None else (None, [call])
+
+
+def read_mistral(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """Output in the mistral format as (content, tool calls): text with no [TOOL_CALLS] is an
+    answer; text before it is the content beside the calls (None when there is none); after
+    it, a JSON array of calls (_read_call, an "id" allowed: the call gets one of its own,
+    as a model's may repeat), else None, []."""
+    start = text.find(MISTRAL_CALLS)
+    if start < 0:
+        return text, []
+    try:
+        listed = json.loads(text[start + len(MISTRAL_CALLS) :])
+    except (json.JSONDecodeError, RecursionError):
+        return None, []
+    if not isinstance(listed, list) or not listed:
+        return None, []
+    calls = [_call_of(value, "arguments", names, ("id",)) for value in listed]
+    if not all(calls):
+        return None, []
+    return text[:start].rstrip() or None, [c for c in calls if c is not None]
+
+
+def _read_call(text: str, arguments: str, names: set[str] | None) -> ToolCall | None:
+    """A call written as JSON text (_call_of), or None."""
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
-        return None, []
-    if (
-        not isinstance(value, dict)
-        or set(value) != {"name", "parameters"}
-        or not isinstance(value["name"], str)
-        or (names is not None and value["name"] not in names)
-    ):
-        return None, []  # not a call (a JSON answer of the response format, say): text
-    arguments = value["parameters"]
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return None, [ToolCall(value["name"], arguments)]
+        return None
+    return _call_of(value, arguments, names)
+
+
+def _call_of(
+    value: Any, arguments: str, names: set[str] | None, optional: tuple[str, ...] = ()
+) -> ToolCall | None:
+    """A call: an object with a "name" (one of `names`, where given) and its `arguments`,
+    and of the `optional` keys no others; else None."""
+    if not isinstance(value, dict) or not {"name", arguments} <= set(value):
+        return None
+    if set(value) - {"name", arguments, *optional}:
+        return None
+    name = value["name"]
+    if not isinstance(name, str) or (names is not None and name not in names):
+        return None
+    given = value[arguments]
+    text = given if isinstance(given, str) else json.dumps(given, ensure_ascii=False)
+    return ToolCall(name, text)
 
 
 class StreamedUnlessCall:
@@ -551,36 +745,37 @@ class StreamedUnlessCall:
 
 
 class StreamedText:
-    """Reads hermes output as it comes: its text is given as it comes, but for what could
-    still be the start of a call's tag or the spaces before one; once a tag comes, the rest
-    is calls, read whole at the end."""
+    """Reads output whose calls open with `tag` (hermes, mistral) as it comes: its text is
+    given as it comes, but for what could still be the start of the tag or the spaces before
+    it; once the tag comes, the rest is calls, read whole at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str = CALL_OPEN) -> None:
+        self.tag = tag
         self.text = ""
         self.streamed = ""  # the text given so far
         self._calls = False  # a tag came: the rest is calls
 
     def feed(self, piece: str) -> Iterator[str]:
         # Only the new text and the tag's length before it can hold a tag not seen yet.
-        seen = max(len(self.text) - len(CALL_OPEN) + 1, 0)
+        seen = max(len(self.text) - len(self.tag) + 1, 0)
         self.text += piece
         if self._calls:
             return
-        end = self.text.find(CALL_OPEN, seen)
+        end = self.text.find(self.tag, seen)
         if end >= 0:
             self._calls = True
         else:
-            end = len(self.text) - _tag_start(self.text)
+            end = len(self.text) - _tag_start(self.text, self.tag)
         given = self.text[len(self.streamed) : end].rstrip()
         if given:
             self.streamed += given
             yield given
 
 
-def _tag_start(text: str) -> int:
-    """The length of the longest end of `text` that a call's tag starts with."""
-    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
-        if CALL_OPEN.startswith(text[-n:]):
+def _tag_start(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that `tag` starts with."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 

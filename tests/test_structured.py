@@ -23,6 +23,7 @@ import specdec_native as sd
 from specdec_native import models
 from specdec_native._core import testing
 from specdec_native.decoder import _load_llguidance
+from specdec_native.tools import GENERIC, HERMES, LLAMA3, MISTRAL, ToolCall, ToolFormat
 
 pytest.importorskip("llguidance")
 
@@ -257,47 +258,67 @@ def test_a_space_prefix_tokenizer_does_not_break_forced_bytes(near: sd.Speculati
     assert sum(counts.values()) == 300
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def calls_generated(
+    dec: sd.SpeculativeDecoder,
+    tools: ToolFormat,
+    prompt: str,
+    runs: tuple[tuple[float, int], ...],
+    first_token: int | None = None,
+) -> list[list[ToolCall]]:
+    """The calls generated under the tools' grammar, one list per (temperature, K) in `runs`:
+    each output ends, opens with `first_token` where given, and is all calls, those of the
+    weather tool with arguments its schema allows."""
+    out = []
+    for temperature, k in runs:
+        result = dec.generate(
+            prompt, 200, temperature=temperature, seed=7, n_draft=k, grammar=tools.constraint()[1]
+        )
+        assert result.finish_reason == "stop", result.text
+        assert first_token is None or result.tokens[0] == first_token, result.text
+        content, calls = tools.read(result.text)
+        assert content is None, result.text
+        for call in calls:
+            if call.name == "weather":
+                jsonschema.validate(json.loads(call.arguments), WEATHER)
+        out.append(calls)
+    return out
+
+
 def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -> None:
     """A GGUF whose own chat template takes tools: they are rendered through it, and calls
     generated under the hermes grammar read back as a call of the named tool, with arguments
     its schema allows, greedy and sampled, with drafts and without."""
-    from specdec_native.tools import ToolFormat
 
     template = (Path(__file__).parent / "templates" / "chatml-tools.jinja").read_text()
     target = models.write_tiny_model(tmp_path / "tools.gguf", chat_template=template)
     draft = models.write_tiny_model(tmp_path / "draft.gguf", output_noise=0.5)
-    weather = {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}},
-        "required": ["city"],
-        "additionalProperties": False,
-    }
-    functions = [{"name": "weather", "parameters": weather}, {"name": "time", "parameters": {}}]
-    tools = ToolFormat(functions, "weather", False, None, "hermes")
+    functions = [{"name": "weather", "parameters": WEATHER}, {"name": "time", "parameters": {}}]
+    tools = ToolFormat(functions, "weather", False, None, HERMES)
     with sd.SpeculativeDecoder(target, draft, n_draft=3, n_ctx=1024, n_threads=1) as dec:
-        assert dec.tool_syntax == "hermes"
+        assert dec.tool_syntax is HERMES
         prompt = dec.apply_chat_template(
             [{"role": "user", "content": "weather?"}], tools=tools.template_tools()
         )
         assert '"name": "weather"' in prompt and "<tools>" in prompt
-        kind, grammar = tools.constraint()
-        for temperature, k in ((0.0, 3), (0.8, 3), (0.0, 0)):
-            out = dec.generate(
-                prompt, 200, temperature=temperature, seed=7, n_draft=k, grammar=grammar
-            )
-            assert out.finish_reason == "stop", out.text
-            content, calls = tools.read(out.text)
-            assert content is None and [c.name for c in calls] == ["weather"]
-            jsonschema.validate(json.loads(calls[0].arguments), weather)
+        for calls in calls_generated(dec, tools, prompt, ((0.0, 3), (0.8, 3), (0.0, 0))):
+            assert [c.name for c in calls] == ["weather"]
     # Tags that are special tokens of the vocabulary (Qwen's) are generated as those tokens.
     tags = ["<tool_call>", "</tool_call>"]
     tagged = models.write_tiny_model(
         tmp_path / "tagged.gguf", chat_template=template, user_tokens=tags
     )
     with sd.SpeculativeDecoder(tagged, n_ctx=1024, n_threads=1) as dec:
-        assert dec.tool_tags_are_tokens
         ids = [dec.tokenize(tag, add_special=False, parse_special=True)[0] for tag in tags]
-        tools = ToolFormat(functions, "weather", False, None, "hermes", tag_tokens=True)
+        assert dec.special_tokens(tags) == dict(zip(tags, ids))
+        tools = ToolFormat(functions, "weather", False, None, HERMES, dec.special_tokens(tags))
         out = dec.generate(prompt, 200, temperature=0, grammar=tools.constraint()[1])
         assert out.tokens[0] == ids[0] and ids[1] in out.tokens, out.text
         content, calls = tools.read(out.text)
@@ -306,8 +327,8 @@ def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -
     llama3 = (Path(__file__).parent / "templates" / "llama3-tools.jinja").read_text()
     target = models.write_tiny_model(tmp_path / "llama3.gguf", chat_template=llama3)
     with sd.SpeculativeDecoder(target, draft, n_draft=3, n_ctx=1024, n_threads=1) as dec:
-        assert dec.tool_syntax == "llama3"
-        tools = ToolFormat(functions, "weather", True, None, "llama3")
+        assert dec.tool_syntax is LLAMA3
+        tools = ToolFormat(functions, "weather", True, None, LLAMA3)
         prompt = dec.apply_chat_template(
             [{"role": "user", "content": "weather?"}], tools=tools.template_tools()
         )
@@ -319,23 +340,34 @@ def test_a_models_own_template_writes_tool_calls_in_its_format(tmp_path: Path) -
         ]
         with pytest.raises(ValueError, match="one call per message"):
             dec.apply_chat_template(twice, tools=tools.template_tools())
-        for temperature, k in ((0.0, 3), (0.8, 0)):
-            out = dec.generate(
-                prompt,
-                200,
-                temperature=temperature,
-                seed=7,
-                n_draft=k,
-                grammar=tools.constraint()[1],
+        for calls in calls_generated(dec, tools, prompt, ((0.0, 3), (0.8, 0))):
+            assert [c.name for c in calls] == ["weather"]
+    # A template that writes calls as an array after [TOOL_CALLS] (Mistral's), that tag a
+    # special token of the vocabulary as in Mistral's: generated as that token, read back.
+    mistral = (Path(__file__).parent / "templates" / "mistral-tools.jinja").read_text()
+    tag = ["[TOOL_CALLS]"]
+    target = models.write_tiny_model(
+        tmp_path / "mistral.gguf", chat_template=mistral, control_tokens=tag
+    )
+    tag_draft = models.write_tiny_model(
+        tmp_path / "mistral-draft.gguf", output_noise=0.5, control_tokens=tag
+    )
+    with sd.SpeculativeDecoder(target, tag_draft, n_draft=3, n_ctx=1024, n_threads=1) as dec:
+        assert dec.tool_syntax is MISTRAL
+        tag_id = dec.tokenize(tag[0], add_special=False, parse_special=True)
+        assert len(tag_id) == 1 and dec.special_tokens(tag) == {tag[0]: tag_id[0]}
+        for choice in ("weather", "required"):
+            tools = ToolFormat(functions, choice, True, None, MISTRAL, dec.special_tokens(tag))
+            prompt = dec.apply_chat_template(
+                [{"role": "user", "content": "weather?"}], tools=tools.template_tools()
             )
-            assert out.finish_reason == "stop", out.text
-            content, calls = tools.read(out.text)
-            assert content is None and [c.name for c in calls] == ["weather"]
-            jsonschema.validate(json.loads(calls[0].arguments), weather)
+            assert "[AVAILABLE_TOOLS]" in prompt
+            for calls in calls_generated(dec, tools, prompt, ((0.0, 3), (0.8, 0)), tag_id[0]):
+                assert calls and (choice != "weather" or {c.name for c in calls} == {"weather"})
     # A template that knows no tools: tools are the server's generic format, not the template's.
     plain = models.write_tiny_model(tmp_path / "plain.gguf", chat_template="{{ messages }}")
     with sd.SpeculativeDecoder(plain, n_ctx=256, n_threads=1) as dec:
-        assert dec.tool_syntax == "generic" and not dec.tool_tags_are_tokens
+        assert dec.tool_syntax is GENERIC and not dec.special_tokens(["<tool_call>"])
         with pytest.raises(ValueError, match="tools need a chat template"):
             dec.apply_chat_template([{"role": "user", "content": "x"}], tools=[])
 
@@ -358,7 +390,7 @@ def test_a_models_own_template_that_takes_tools_renders_chats_without_them(
     chat = [{"role": "user", "content": "hi"}]
     listed = [{"type": "function", "function": {"name": "f"}}]
     with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1) as dec:
-        assert dec.tool_syntax == "hermes"
+        assert dec.tool_syntax is HERMES
         assert dec.apply_chat_template(chat).startswith("<|im_start|>system\nYou are helpful.")
         assert dec.apply_chat_template(chat, tools=listed).startswith("<|im_start|>system\nTools: ")
         # OpenAI's developer role is the system message to a template that knows no such role.
@@ -384,6 +416,6 @@ def test_a_models_own_template_that_takes_tools_renders_chats_without_them(
         ],
     )
     with sd.SpeculativeDecoder(both, n_ctx=256, n_threads=1) as dec:
-        assert dec.tool_syntax == "hermes"
+        assert dec.tool_syntax is HERMES
         assert dec.apply_chat_template(chat).startswith("<|im_start|>user\nhi")
         assert dec.apply_chat_template(chat, tools=listed).startswith("TOOLS ")

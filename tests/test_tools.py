@@ -4,6 +4,7 @@ view of a conversation, and output read back as it streams (no model)."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -13,8 +14,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper, grammar_from
 
-from specdec_native.server import _answer_end, _tool_output
+from specdec_native.server import _answer_end
 from specdec_native.tools import (
+    GENERIC,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    Message,
     StreamedAnswer,
     StreamedText,
     StreamedUnlessCall,
@@ -23,6 +29,7 @@ from specdec_native.tools import (
     conversation,
     read_hermes,
     read_llama3,
+    read_mistral,
     read_output,
     template_conversation,
     template_syntax,
@@ -30,6 +37,7 @@ from specdec_native.tools import (
 
 TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
 LLAMA3_TEMPLATE = Path(__file__).parent / "templates" / "llama3-tools.jinja"
+MISTRAL_TEMPLATE = Path(__file__).parent / "templates" / "mistral-tools.jinja"
 
 
 def test_tool_schemas_keep_their_own_references() -> None:
@@ -134,18 +142,21 @@ def test_a_conversation_writes_calls_and_results_in_the_generic_format() -> None
 
 
 def test_a_template_that_takes_tools_and_writes_tags_is_hermes() -> None:
-    assert template_syntax(TOOLS_TEMPLATE.read_text()) == "hermes"
+    assert template_syntax(TOOLS_TEMPLATE.read_text()) is HERMES
     chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% endfor %}"
-    assert template_syntax(chatml) == "generic"
+    assert template_syntax(chatml) is GENERIC
     # Tags alone, or tools alone, are not a format the server can read back.
-    assert template_syntax(chatml + "<tool_call>") == "generic"
-    assert template_syntax(chatml + "{{ tools }}") == "generic"
+    assert template_syntax(chatml + "<tool_call>") is GENERIC
+    assert template_syntax(chatml + "{{ tools }}") is GENERIC
     # Calls written as XML in the same tags (Qwen3-Coder, GLM) are another format.
     xml = TOOLS_TEMPLATE.read_text() + "<function={{ name }}>"
-    assert template_syntax(xml) == "generic"
+    assert template_syntax(xml) is GENERIC
     # A call as a message of JSON with "parameters", results as ipython messages: Llama 3's.
-    assert template_syntax(LLAMA3_TEMPLATE.read_text()) == "llama3"
-    assert template_syntax(chatml + '{{ tools }} "parameters"') == "generic"
+    assert template_syntax(LLAMA3_TEMPLATE.read_text()) is LLAMA3
+    assert template_syntax(chatml + '{{ tools }} "parameters"') is GENERIC
+    # Calls as a JSON array after [TOOL_CALLS]: Mistral's; name[ARGS]{...} is another format.
+    assert template_syntax(MISTRAL_TEMPLATE.read_text()) is MISTRAL
+    assert template_syntax(MISTRAL_TEMPLATE.read_text() + "[ARGS]") is GENERIC
 
 
 WEATHER = {
@@ -161,7 +172,7 @@ def test_hermes_grammars_compile_for_every_choice() -> None:
     for choice in ("auto", "required", "time"):
         for parallel in (True, False):
             for answer in (None, {"type": "object"}):
-                tools = ToolFormat(functions, choice, parallel, answer, "hermes")
+                tools = ToolFormat(functions, choice, parallel, answer, HERMES)
                 kind, text = tools.constraint()
                 assert kind == "lark"
                 assert LLMatcher.validate_grammar(grammar_from("lark", text)) == "", text
@@ -186,8 +197,11 @@ def test_hermes_output_is_read_as_calls_or_text() -> None:
     content, calls = read_hermes("Let me look that up.\n" + two)
     assert content == "Let me look that up." and [c.name for c in calls] == ["f", "g"]
     assert read_hermes("Let me look that up.\n" + two[:-4]) == (None, [])
-    tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, None, "hermes")
+    functions = [{"name": "f", "parameters": {}}, {"name": "g", "parameters": {}}]
+    tools = ToolFormat(functions, "auto", True, None, HERMES)
     assert tools.read(two)[1] and isinstance(tools.streamed(), StreamedText)
+    # Only the request's tools are calls.
+    assert ToolFormat(functions[:1], "auto", True, None, HERMES).read(two) == (None, [])
 
 
 def streamed_text(text: str, cuts: list[int]) -> str:
@@ -240,17 +254,17 @@ def grammar_accepts(grammar: str, text: str) -> bool:
 
 def test_hermes_answers_may_go_on_into_calls() -> None:
     functions = [{"name": "f", "parameters": {}}]
-    grammar = ToolFormat(functions, "auto", True, None, "hermes").constraint()[1]
+    grammar = ToolFormat(functions, "auto", True, None, HERMES).constraint()[1]
     assert grammar_accepts(grammar, CALL)
     assert grammar_accepts(grammar, "Sunny, 21 C.")
     assert grammar_accepts(grammar, "Let me look that up.\n" + CALL)
     assert grammar_accepts(grammar, "I will call f twice.\n" + CALL + "\n" + CALL)
     assert not grammar_accepts(grammar, "Let me look.\n<tool_call>\nnot a call")
-    one = ToolFormat(functions, "auto", False, None, "hermes").constraint()[1]
+    one = ToolFormat(functions, "auto", False, None, HERMES).constraint()[1]
     assert grammar_accepts(one, "Now f.\n" + CALL)
     assert not grammar_accepts(one, "Now f.\n" + CALL + "\n" + CALL)
     # A call that is required, or an answer under a schema, starts at once.
-    required = ToolFormat(functions, "required", True, None, "hermes").constraint()[1]
+    required = ToolFormat(functions, "required", True, None, HERMES).constraint()[1]
     assert grammar_accepts(required, CALL)
     assert not grammar_accepts(required, "Now f.\n" + CALL)
 
@@ -359,14 +373,15 @@ def test_hermes_output_is_read_in_linear_time() -> None:
         ("llama3", '{"name": "f", "parameters": {}}', ""),
         ("llama3", '{"name": "f", "param', '{"name": "f", "param'),
         ("llama3", " Sunny {not a call}", " Sunny {not a call}"),
+        ("mistral", "Let me look. [TOOL_CALLS] [{", "Let me look. [TOOL_CALLS] [{"),
+        ("mistral", 'Let me look. [TOOL_CALLS][{"name": "f", "arguments": {}}]', "Let me look."),
+        ("mistral", "Sunny [TOOL", "Sunny [TOOL"),
     ],
 )
 def test_streamed_or_not_the_content_is_the_same(syntax: str, text: str, content: str) -> None:
-    tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, None, syntax)
-    whole = tools.streamed()
-    for _ in whole.feed(text):
-        pass
-    assert _tool_output(tools, text, whole.streamed)[0] == content
+    named = {s.name: s for s in (GENERIC, HERMES, LLAMA3, MISTRAL)}
+    tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, None, named[syntax])
+    assert tools.output(text)[0] == content
     for cut in range(len(text) + 1):
         reader = tools.streamed()
         streamed = "".join([*reader.feed(text[:cut]), *reader.feed(text[cut:])])
@@ -378,10 +393,10 @@ def test_llama3_output_is_one_call_or_text() -> None:
     functions = [{"name": "weather", "parameters": WEATHER}, {"name": "time", "parameters": {}}]
     for choice in ("auto", "required", "time"):
         for answer in (None, {"type": "object"}):
-            kind, text = ToolFormat(functions, choice, True, answer, "llama3").constraint()
+            kind, text = ToolFormat(functions, choice, True, answer, LLAMA3).constraint()
             assert kind == "lark"
             assert LLMatcher.validate_grammar(grammar_from("lark", text)) == "", text
-    grammar = ToolFormat(functions, "auto", True, None, "llama3").constraint()[1]
+    grammar = ToolFormat(functions, "auto", True, None, LLAMA3).constraint()[1]
     call = '{"name": "weather", "parameters": {"city": "Paris"}}'
     assert grammar_accepts(grammar, call)
     assert grammar_accepts(grammar, "It is sunny in {Paris}.")
@@ -394,12 +409,12 @@ def test_llama3_output_is_one_call_or_text() -> None:
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
         "required": ["name", "age"],
     }
-    answered = ToolFormat(functions, "auto", True, person, "llama3")
+    answered = ToolFormat(functions, "auto", True, person, LLAMA3)
     assert grammar_accepts(answered.constraint()[1], '{"name": "Alice", "age": 3}')
     assert grammar_accepts(answered.constraint()[1], call)
     assert answered.read('{"name": "Alice", "age": 3}') == (None, [])  # the text as it is
     assert answered.read(call)[1][0].name == "weather"
-    required = ToolFormat(functions, "required", True, None, "llama3").constraint()[1]
+    required = ToolFormat(functions, "required", True, None, LLAMA3).constraint()[1]
     assert grammar_accepts(required, call) and not grammar_accepts(required, "Sunny.")
     content, calls = read_llama3(call)
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
@@ -412,3 +427,62 @@ def test_llama3_output_is_one_call_or_text() -> None:
     assert [p for c in call for p in reader.feed(c)] == []
     reader = StreamedUnlessCall()
     assert "".join(p for c in " Sunny {x}" for p in reader.feed(c)) == " Sunny {x}"
+
+
+MISTRAL_CALL = '[TOOL_CALLS] [{"name": "f", "arguments": {}}]'
+
+
+def test_mistral_output_is_text_then_one_array_of_calls() -> None:
+    functions = [{"name": "f", "parameters": {}}, {"name": "g", "parameters": WEATHER}]
+    for choice in ("auto", "required", "g"):
+        for parallel in (True, False):
+            for answer in (None, {"type": "object"}):
+                kind, text = ToolFormat(functions, choice, parallel, answer, MISTRAL).constraint()
+                assert kind == "lark"
+                assert LLMatcher.validate_grammar(grammar_from("lark", text)) == "", text
+    grammar = ToolFormat(functions, "auto", True, None, MISTRAL).constraint()[1]
+    two = '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "arguments": {"city": "X"}}]'
+    for text in (MISTRAL_CALL, two, "Sunny.", "Let me look. " + MISTRAL_CALL):
+        assert grammar_accepts(grammar, text), text
+    # The id the templates write is allowed: 9 letters and digits.
+    assert grammar_accepts(grammar, MISTRAL_CALL[:-2] + ', "id": "a1b2c3d4e"}]')
+    assert not grammar_accepts(grammar, MISTRAL_CALL[:-2] + ', "id": "a1b2"}]')
+    assert not grammar_accepts(grammar, MISTRAL_CALL + " and more")
+    assert not grammar_accepts(grammar, "[TOOL_CALLS] []")
+    assert not grammar_accepts(grammar, '[TOOL_CALLS] [{"name": "h", "arguments": {}}]')
+    one = ToolFormat(functions, "auto", False, None, MISTRAL).constraint()[1]
+    assert grammar_accepts(one, MISTRAL_CALL) and not grammar_accepts(one, two)
+    required = ToolFormat(functions, "required", True, None, MISTRAL).constraint()[1]
+    assert grammar_accepts(required, two) and not grammar_accepts(required, "Sunny.")
+
+    content, calls = read_mistral("Let me look. " + two, {"f", "g"})
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {}), ("g", {"city": "X"})]
+    assert calls[0].id != calls[1].id
+    assert read_mistral("Sunny.") == ("Sunny.", [])
+    assert read_mistral(two[:-2]) == (None, [])  # cut short
+    assert read_mistral(two, {"f"}) == (None, [])  # not the request's tool
+    assert read_mistral('[TOOL_CALLS] [{"name": "f", "arguments": {}, "x": 1}]') == (None, [])
+    assert read_mistral("[TOOL_CALLS] []") == (None, [])
+
+
+def test_mistral_templates_get_ids_they_take() -> None:
+    """Mistral's templates refuse call ids that are not 9 letters and digits: an OpenAI
+    client's ids reach them mapped, a call's and its result's alike."""
+    call = ToolCall("f", "{}", "call_0123456789abcdef01234567")
+    messages: list[Message] = [
+        ("user", "f?", [], None),
+        ("assistant", None, [call], None),
+        ("tool", "done", [], call.id),
+    ]
+    tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, None, MISTRAL)
+    out, listed = MISTRAL.chat(messages, tools)
+    mapped = out[1]["tool_calls"][0]["id"]
+    assert re.fullmatch("[A-Za-z0-9]{9}", mapped) and out[2]["tool_call_id"] == mapped
+    assert listed == tools.template_tools()
+    kept = ToolCall("f", "{}", "a1b2c3d4e")
+    assert MISTRAL.chat([("assistant", None, [kept], None)], None)[0][0]["tool_calls"][0]["id"] == (
+        "a1b2c3d4e"
+    )
+    # Other formats leave ids as they are.
+    assert HERMES.chat(messages, tools)[0][2]["tool_call_id"] == call.id
