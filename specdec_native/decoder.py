@@ -759,6 +759,7 @@ class SpeculativeDecoder:
         # The model's templates for chats with tools and without, compiled when first needed.
         self._own_template: ChatTemplate | None = None
         self._own_plain: ChatTemplate | None = None
+        self._special: dict[str, int | None] = {}  # special_tokens' answers, by text
         if draft is not None and os.fspath(draft) == NGRAM:
             draft, ngram = None, True
         draft_path = None if draft is None else _check_model_path("draft", draft)
@@ -998,12 +999,12 @@ class SpeculativeDecoder:
         (Qwen's <tool_call>, Mistral's [TOOL_CALLS]), with their ids: tool-call grammars write
         them by id."""
         engine = self._live()
-        out = {}
         for text in texts:
-            tokens = engine.tokenize(_check_text("a special token's text", text), False, True)
-            if len(tokens) == 1 and engine.grammar_special(tokens[0]):
-                out[text] = tokens[0]
-        return out
+            if text not in self._special:
+                tokens = engine.tokenize(_check_text("a special token's text", text), False, True)
+                one = len(tokens) == 1 and engine.grammar_special(tokens[0])
+                self._special[text] = tokens[0] if one else None
+        return {text: t for text in texts if (t := self._special[text]) is not None}
 
     def _plain_template(self) -> ChatTemplate | None:
         """The model's own default template where it takes tools, for chats without them;

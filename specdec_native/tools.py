@@ -28,7 +28,7 @@ message, one JSON object with its "parameters" (Llama 3.1-3.3's; their results c
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
 The "mistral" format, of chat templates that take `tools` and write calls as one JSON array
-after [TOOL_CALLS] (Mistral 7B v0.3, Nemo, Small 3): the model answers in text or with calls
+after [TOOL_CALLS] (Mistral 7B v0.3's, Nemo's): the model answers in text or with calls
 (an "id" as the templates write them back may follow the arguments; the template sees each
 call's id as 9 letters and digits, the only ids these templates take):
 
@@ -122,6 +122,15 @@ class ToolSyntax:
     def __repr__(self) -> str:
         return f"<tool syntax {self.name}>"
 
+    def __eq__(self, other: object) -> bool:
+        """A format is its name too: ``decoder.tool_syntax == "hermes"``."""
+        if isinstance(other, str):
+            return other == self.name
+        return isinstance(other, ToolSyntax) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
 
 class _Templated(ToolSyntax):
     templated = True
@@ -206,7 +215,7 @@ class _Mistral(_Templated):
 
     def grammar(self, fmt: ToolFormat) -> tuple[str, str]:
         calls = json.dumps(fmt.json_calls("arguments", with_id=True, array=True))
-        # Templates write the tag with a space after it (Mistral 7B v0.3, Small 3) or none (Nemo).
+        # Templates write the tag with a space after it (Mistral 7B v0.3) or none (Nemo).
         return ("lark", _tagged_grammar(fmt, MISTRAL_CALLS, f'" "? %json {calls}', None))
 
     def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -249,7 +258,9 @@ def _tagged_grammar(fmt: ToolFormat, tag: str, body: str, separator: str | None)
         return "\n".join(["start: calls", *lines])
     if fmt.response_schema is not None:
         return "\n".join([f"start: calls | %json {json.dumps(fmt.response_schema)}", *lines])
-    lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{re.escape(tag)}(.|\\n)*/")
+    # A "/" would end Lark's regex.
+    escaped = re.escape(tag).replace("/", "\\/")
+    lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{escaped}(.|\\n)*/")
     if tag in fmt.tag_tokens:
         lead = "TEXT call"  # the tag token ends the text
     else:

@@ -20,12 +20,14 @@ from specdec_native.tools import (
     HERMES,
     LLAMA3,
     MISTRAL,
+    MISTRAL_CALLS,
     Message,
     StreamedAnswer,
     StreamedText,
     StreamedUnlessCall,
     ToolCall,
     ToolFormat,
+    _tagged_grammar,
     conversation,
     read_hermes,
     read_llama3,
@@ -246,10 +248,21 @@ class ByteTokens:
         return list(text)
 
 
-def grammar_accepts(grammar: str, text: str) -> bool:
-    matcher = LLMatcher(LLTokenizer(TokenizerWrapper(ByteTokens())), grammar_from("lark", grammar))
+class TagTokens(ByteTokens):
+    """Single bytes and [TOOL_CALLS] as one special token (257), as Mistral's vocabularies hold
+    it (llguidance marks special tokens with a leading 0xff byte)."""
+
+    tokens = [*ByteTokens.tokens, b"\xff[TOOL_CALLS]"]
+    special_token_ids = [256, 257]
+
+
+def grammar_accepts(grammar: str, text: str | list[int], vocab: ByteTokens | None = None) -> bool:
+    """Whether `grammar` takes `text` whole: its bytes, or (a list) these tokens of `vocab`."""
+    tokenizer = LLTokenizer(TokenizerWrapper(vocab or ByteTokens()))
+    matcher = LLMatcher(tokenizer, grammar_from("lark", grammar))
     assert not matcher.is_error(), matcher.get_error()
-    return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
+    tokens = list(text.encode()) if isinstance(text, str) else text
+    return all(matcher.consume_token(t) for t in tokens) and matcher.is_accepting()
 
 
 def test_hermes_answers_may_go_on_into_calls() -> None:
@@ -466,6 +479,22 @@ def test_mistral_output_is_text_then_one_array_of_calls() -> None:
     assert read_mistral("[TOOL_CALLS] []") == (None, [])
 
 
+def test_a_tag_that_is_a_special_token_is_that_token() -> None:
+    """Where [TOOL_CALLS] is one special token, calls open with that token, never with its
+    spelling; text may still come before it."""
+    functions = [{"name": "f", "parameters": {}}]
+    tools = ToolFormat(functions, "auto", True, None, MISTRAL, {MISTRAL_CALLS: 257})
+    grammar = tools.constraint()[1]
+    call = list(MISTRAL_CALL[len(MISTRAL_CALLS) :].encode())
+    assert grammar_accepts(grammar, [257, *call], TagTokens())
+    assert grammar_accepts(grammar, [*b"Let me look.", 257, *call], TagTokens())
+    assert grammar_accepts(grammar, list(b"Sunny."), TagTokens())
+    assert not grammar_accepts(grammar, list(MISTRAL_CALL.encode()), TagTokens())
+    # A tag with a "/" in it (a closing tag, say) is text a Lark regex can hold.
+    slashed = _tagged_grammar(tools, "</tag>", '"x"', None)
+    assert grammar_accepts(slashed, "a</tag>x") and not grammar_accepts(slashed, "</tag>")
+
+
 def test_mistral_templates_get_ids_they_take() -> None:
     """Mistral's templates refuse call ids that are not 9 letters and digits: an OpenAI
     client's ids reach them mapped, a call's and its result's alike."""
@@ -484,5 +513,8 @@ def test_mistral_templates_get_ids_they_take() -> None:
     assert MISTRAL.chat([("assistant", None, [kept], None)], None)[0][0]["tool_calls"][0]["id"] == (
         "a1b2c3d4e"
     )
+    # 9 characters that are not all letters and digits are mapped too.
+    assert re.fullmatch("[A-Za-z0-9]{9}", MISTRAL.template_id("call_1234"))
+    assert MISTRAL.template_id("call_1234") != "call_1234"
     # Other formats leave ids as they are.
     assert HERMES.chat(messages, tools)[0][2]["tool_call_id"] == call.id
