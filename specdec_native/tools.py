@@ -224,6 +224,17 @@ class _Mistral(_Templated):
     def reader(self) -> Streamed:
         return StreamedText(MISTRAL_CALLS)
 
+    def chat(
+        self, messages: list[Message], fmt: ToolFormat | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        for i, (role, _, _, call_id) in enumerate(messages):
+            if role == "tool" and call_id is None:
+                raise ToolError(
+                    f"messages[{i}]: a tool message needs the tool_call_id of its call "
+                    "(this chat template writes each result with its call's id)"
+                )
+        return super().chat(messages, fmt)
+
     def template_id(self, call_id: str) -> str:
         # Mistral's templates refuse ids that are not 9 letters and digits (some, shorter
         # ones): others are mapped to 9 hex digits, the same for a call and its result.

@@ -26,6 +26,7 @@ from specdec_native.tools import (
     StreamedText,
     StreamedUnlessCall,
     ToolCall,
+    ToolError,
     ToolFormat,
     _tagged_grammar,
     conversation,
@@ -513,6 +514,9 @@ def test_mistral_templates_get_ids_they_take() -> None:
     assert MISTRAL.chat([("assistant", None, [kept], None)], None)[0][0]["tool_calls"][0]["id"] == (
         "a1b2c3d4e"
     )
+    # A result must name its call: the template writes each with its call's id.
+    with pytest.raises(ToolError, match=r"messages\[2\]: a tool message needs the tool_call_id"):
+        MISTRAL.chat([*messages[:2], ("tool", "done", [], None)], tools)
     # 9 characters that are not all letters and digits are mapped too.
     assert re.fullmatch("[A-Za-z0-9]{9}", MISTRAL.template_id("call_1234"))
     assert MISTRAL.template_id("call_1234") != "call_1234"
