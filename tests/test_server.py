@@ -676,10 +676,9 @@ def test_a_tool_round_trip(tools_at: ToolServer, smollm2_q40: Path) -> None:
             assert message.tool_calls and len(message.tool_calls) == 1
             _check_call(message.tool_calls[0])
         else:
-            # SmolLM2 may not end a text answer under a Llama 3 or Mistral template (their
-            # turns are not ChatML's).
-            ends = ("stop",) if tools_at.syntax in ("generic", "hermes") else ("stop", "length")
-            assert r.choices[0].finish_reason in ends and message.content
+            # A text answer may run past max_tokens: SmolLM2 may write a long weather report
+            # here, and it does not end turns that are not ChatML's.
+            assert r.choices[0].finish_reason in ("stop", "length") and message.content
     # Calls cut short by max_tokens are no calls: the text comes back as it is, "length".
     r = client.chat.completions.create(
         model="smol",
