@@ -257,6 +257,7 @@ class Engine {
     std::atomic<bool> grammar_drafts_{true};
     bool step_measured_ = false;  // this step is one the rate check learns from
     bool step_drafted_ = false;
+    bool step_read_prompt_ = false;  // a draft caught up on its prompt this step
     int prefill_chunk_ = kPrefillChunk;
     std::unique_ptr<ThreadGovernor> governor_;
     std::atomic<int> threads_now_{0};

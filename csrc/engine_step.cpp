@@ -60,7 +60,9 @@ void Engine::step() {
     for (const auto& [seq, error] : failed_) retire(seq, error);
     if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
     const bool shared = decoding_.size() + prefilled_.size() > 1;
-    const bool measured = step_measured_ && prefilled_.empty() && failed_.empty();
+    // A draft's first catch-up reads its prompt: a prompt's cost, as a prompt chunk's is.
+    const bool measured =
+        step_measured_ && prefilled_.empty() && failed_.empty() && !step_read_prompt_;
     const int n = static_cast<int>(decoding_.size());
     const int tokens = accept_all(decoding_, t_verify, shared);
     if (measured) {
@@ -125,11 +127,13 @@ void Engine::draft_all() {
     if (!draft_jobs_.empty()) drafter_->propose(draft_jobs_);
     const double seconds = seconds_since(start);
     step_drafted_ = false;
+    step_read_prompt_ = false;
     for (size_t i = 0; i < decoding_.size(); ++i) {
         if (!decoding_[i]) continue;
         or_retire(decoding_[i], [&](Generation& g) {
             g.drafted(by_model_[i] ? seconds : 0);
             step_drafted_ = step_drafted_ || g.has_draft();
+            step_read_prompt_ = step_read_prompt_ || g.draft_read_prompt();
         });
     }
     decoding_.erase(std::remove(decoding_.begin(), decoding_.end(), nullptr), decoding_.end());

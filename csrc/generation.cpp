@@ -50,7 +50,8 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
         n_draft_ = 0;
         stats().fallback_reason = "short request";
     }
-    drafts_with_model_ = parts_.drafter != nullptr && (adaptive_ || n_draft_ > 0);
+    draft_reads_prompt_ahead_ = parts_.drafter != nullptr && !adaptive_ && n_draft_ > 0;
+    draft_knows_prompt_ = draft_reads_prompt_ahead_;
     if (penalized()) token_counts_.assign(static_cast<size_t>(parts_.target.n_vocab()), 0);
 }
 
@@ -74,7 +75,7 @@ int Generation::add_prefill(Batch& batch, int budget) {
     prefilled_ = end;
     // The draft reads the prompt alongside, so its first draft does not have to; that read is
     // part of the prompt's cost.
-    if (drafts_with_model_) {
+    if (draft_reads_prompt_ahead_) {
         const auto start = Clock::now();
         stats().n_draft_read +=
             static_cast<int>(parts_.drafter->prefill(seq_id_, seq_, static_cast<size_t>(added)));
@@ -302,6 +303,8 @@ void Generation::drafted(double seconds) {
     if (draft_.non_finite) drop_drafting("the draft model's logits are not finite (NaN/Inf)");
     stats().count_proposal(static_cast<int>(draft_.tokens.size()));
     stats().n_draft_read += draft_.caught_up;
+    draft_read_prompt_ = !draft_knows_prompt_ && draft_.caught_up > 0;
+    draft_knows_prompt_ = draft_knows_prompt_ || draft_.caught_up > 0;
     if (draft_.below_p_min) ++stats().n_p_min_stops;
     // A fallback the batch plan overrode (drafting after all, or forced tokens) is not one.
     if (falling_back_ && k_ == 0 && !has_draft()) {

@@ -222,6 +222,8 @@ class Generation {
     // After drafting: the stats, and whether to stop trusting the draft.
     void drafted(double seconds);
     bool has_draft() const { return !draft_.tokens.empty(); }
+    // This step's draft read the prompt first: its time is not a step's.
+    bool draft_read_prompt() const { return draft_read_prompt_; }
     // Cuts the draft after the tokens the grammar allows (drafted() does, with a grammar).
     void keep_valid_draft();
     // The grammar moves past a committed token.
@@ -302,7 +304,11 @@ class Generation {
     int n_draft_;
     bool adaptive_ = false;
     bool drafting_dropped_ = false;
-    bool drafts_with_model_ = false;  // the draft model may be asked (its cache is kept filled)
+    // A fixed K drafts from the first step, so the draft reads the prompt alongside the target.
+    // `auto` may never draft (under load it starts held): its first draft catches up instead.
+    bool draft_reads_prompt_ahead_ = false;
+    bool draft_knows_prompt_ = false;  // the draft's cache holds the prompt
+    bool draft_read_prompt_ = false;   // this step's draft caught up on the prompt
     Clock::time_point admitted_;
     std::vector<llama_token> seq_;            // prompt + committed tokens
     size_t prefilled_ = 0;                    // prompt tokens the target's cache holds

@@ -52,6 +52,7 @@ def test_falls_back_where_speculation_cannot_pay(smollm2_q40: Path) -> None:
     assert r.stats.n_fallback_steps > 0
     assert r.stats.fallback_reason == "draft too slow for this target"
     assert r.stats.n_speculative_steps == 0  # no probes: they could never pay
+    assert r.stats.n_draft_read == 0  # nor did the draft read the prompt for nothing
 
 
 def test_what_the_draft_reads_is_counted(tiny_pair: models.ModelPair) -> None:
@@ -63,6 +64,21 @@ def test_what_the_draft_reads_is_counted(tiny_pair: models.ModelPair) -> None:
     assert plain.stats.n_draft_read == 0
     # The prompt (all but its last token, which the first step decodes), then each step's
     # catch-up: the tokens the step before committed.
+    first = drafted.stats.n_prompt - 1
+    assert first < drafted.stats.n_draft_read <= first + drafted.stats.n_generated
+
+
+def test_auto_reads_the_prompt_into_the_draft_at_its_first_draft(
+    tiny_pair: models.ModelPair,
+) -> None:
+    prompt = "the cat sat on the mat and then the dog"
+    with sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, n_ctx=256, n_threads=1) as dec:
+        plain = dec.generate(prompt, 20, n_draft=0)
+        # Drafting made nearly free: `auto` drafts, and its first draft catches up on the prompt.
+        dec._live().set_calibration([0.01 + 0.001 * n for n in range(11)], [1e-5, 2e-5])
+        drafted = dec.generate(prompt, 20)
+    assert drafted.tokens == plain.tokens
+    assert drafted.stats.n_speculative_steps > 0
     first = drafted.stats.n_prompt - 1
     assert first < drafted.stats.n_draft_read <= first + drafted.stats.n_generated
 
