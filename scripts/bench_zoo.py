@@ -19,12 +19,14 @@ Writes OUT.json (every number) and OUT.md (the tables).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +173,31 @@ def llama_cpp_cell(
     return out
 
 
+@contextlib.contextmanager
+def ready_decoder(
+    member: models.ZooPair,
+    files: tuple[Path, Path | None],
+    prompts: list[str],
+    streams: int,
+    threads: int | None,
+) -> Iterator[sd.SpeculativeDecoder]:
+    """The member's decoder for `streams` streams, every prompt read once and calibrated."""
+    target, draft = files
+    with sd.SpeculativeDecoder(
+        target,
+        "ngram" if member.ngram or draft is None else draft,
+        n_ctx=2048 * streams,
+        n_parallel=streams,
+        n_threads=threads,
+    ) as dec:
+        # Where the prompts fit the slots, later configurations find them cached: read first,
+        # none of them pays for the prompts cold.
+        for prompt in prompts:
+            dec.generate(prompt, 2, n_draft=0)
+        dec.calibrate(prompts[0])
+        yield dec
+
+
 def bench_member(
     member: models.ZooPair, args: argparse.Namespace, tools: Path | None
 ) -> dict[str, Any]:
@@ -183,18 +210,7 @@ def bench_member(
     configs = ks + ([VARIANTS[args.ab]] if args.ab else [])
     result: dict[str, Any] = {"member": member.__dict__, "prompts": len(prompts), "cells": []}
     for streams in args.streams:
-        with sd.SpeculativeDecoder(
-            target,
-            "ngram" if member.ngram else draft,
-            n_ctx=2048 * streams,
-            n_parallel=streams,
-            n_threads=args.threads,
-        ) as dec:
-            # Every prompt read once first: where the prompts fit the slots, later
-            # configurations find them cached, and the first one alone would pay for them.
-            for prompt in prompts:
-                dec.generate(prompt, 2, n_draft=0)
-            dec.calibrate(prompts[0])
+        with ready_decoder(member, (target, draft), prompts, streams, args.threads) as dec:
             for temp in args.temps:
                 print(f"{member.name}: {streams} stream(s), T={temp:g}", file=sys.stderr)
                 cell = run_cell(dec, prompts, configs, streams, temp, args)

@@ -30,26 +30,17 @@ def one_round(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     # The repository's editable install would win over the build asked for.
     sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f)]
     sys.path[:0] = [str(args.round_of), str(SCRIPTS)]
-    from bench_zoo import SEED, load_prompts, run_config
+    from bench_zoo import SEED, load_prompts, ready_decoder, run_config
 
-    import specdec_native as sd
     from specdec_native import models
 
     out: dict[str, dict[str, float]] = {}
     for member in models.zoo_members(args.seed, 3):
         if args.only and not any(o in member.name for o in args.only.split(",")):
             continue
-        target, draft = models.build_zoo_member(member)
+        files = models.build_zoo_member(member)
         prompts = list(load_prompts(args.split, {"grounded"} if member.ngram else None).values())
-        with sd.SpeculativeDecoder(
-            target,
-            "ngram" if member.ngram else draft,
-            n_ctx=2048 * args.streams,
-            n_parallel=args.streams,
-        ) as dec:
-            for prompt in prompts:  # read once: no configuration pays for them cold
-                dec.generate(prompt, 2, n_draft=0)
-            dec.calibrate(prompts[0])
+        with ready_decoder(member, files, prompts, args.streams, None) as dec:
             for temp in args.temps:
                 rates = {}
                 order: list[int | str] = ["auto", 0] if args.round % 2 == 0 else [0, "auto"]
