@@ -603,8 +603,7 @@ void Engine::retire(int seq, std::exception_ptr error) {
             std::lock_guard<std::mutex> lock(policy_mutex_);
             policy_ = g->policy();
         }
-        if (g->ended_normally() && g->policy().costs_disagree() && !any_active())
-            recalibrate_after(*g);
+        if (recalibration_due(*g)) recalibrate_after(*g);
     }
     if (SharedNgramIndex* index = g->ngram_index(); index && !error) {
         // The index is an optimisation: its failure (out of memory) must not touch a request.
@@ -619,12 +618,24 @@ void Engine::retire(int seq, std::exception_ptr error) {
     g->publish(error);
 }
 
+bool Engine::recalibration_due(const Generation& g) {
+    if (!g.ended_normally()) return false;
+    const auto verdict = g.policy().cost_verdict();
+    if (verdict == AdaptivePolicy::CostVerdict::kAgree) recalibrations_in_a_row_ = 0;
+    if (verdict != AdaptivePolicy::CostVerdict::kDisagree) return false;
+    ++requests_since_recalibration_;
+    const int wait = 1 << std::min(recalibrations_in_a_row_, 16);
+    return requests_since_recalibration_ >= wait && !any_active();
+}
+
 void Engine::recalibrate_after(Generation& g) {
     // Before its result goes out, so that what the caller stores is the new measurement.
     job_cancel_.store(g.cancel_flag());
     try {
         calibrate_locked(g.prompt());
         g.note_recalibrated();
+        ++recalibrations_in_a_row_;
+        requests_since_recalibration_ = 0;
     } catch (const std::exception&) {
         // Cancelled, or a failed decode: the old costs stay.
     }

@@ -189,8 +189,10 @@ class Engine {
     void size_prefill_chunk(double t_decode, bool with_prefill);
     void retire(int seq, std::exception_ptr error = nullptr);
     void fail_all(std::exception_ptr error);
-    // Measures the costs again after a request whose steps found them off (idle engine only).
+    // Measures the costs again after a request whose steps found them off (idle engine only,
+    // and backing off while they stay off).
     void recalibrate_after(Generation& g);
+    bool recalibration_due(const Generation& g);
     void stop_everything();
     EngineParts parts();
 
@@ -238,6 +240,11 @@ class Engine {
     std::vector<std::unique_ptr<Generation>> slots_;  // [seq]; null when free
     std::vector<uint64_t> last_used_;                 // [seq]: when its request ended
     uint64_t clock_ = 0;
+    // Recalibration backs off while the costs it measures keep disagreeing with the steps (a
+    // machine whose decodes time differently in a calibration than in use): after n in a row the
+    // next waits for 2^n disagreeing requests, so a lasting disagreement costs a vanishing share.
+    int recalibrations_in_a_row_ = 0;
+    int requests_since_recalibration_ = 0;
     std::vector<Generation*> decoding_, prefilling_, prefilled_;
     std::vector<Generation*> starting_;  // this step's first tokens, from the prompt's last chunk
     // [i]: decoding_[i] drafts with the draft model this step

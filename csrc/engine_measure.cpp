@@ -34,6 +34,9 @@ void Engine::decode(Model& model, const Batch& batch) {
         throw TimedOut("the request's deadline passed");
     const int32_t rc = llama_decode(model.ctx(), batch.get());
     if (rc == 0) {
+        // On a GPU llama_decode returns once the work is queued; every timing of a decode (the
+        // calibration's, a step's, the batch costs learned) must include the work itself.
+        llama_synchronize(model.ctx());
         model.note_decoded(batch.get());
         return;
     }

@@ -206,13 +206,14 @@ std::vector<double> AdaptivePolicy::expected_rates(int cap) const {
     return rates;
 }
 
-bool AdaptivePolicy::costs_disagree() const {
-    if (cost_ratios_.size() < kHealSteps) return false;
+AdaptivePolicy::CostVerdict AdaptivePolicy::cost_verdict() const {
+    if (cost_ratios_.size() < kHealSteps) return CostVerdict::kUnjudged;
     std::vector<double> ratios = cost_ratios_;
     std::nth_element(ratios.begin(), ratios.begin() + static_cast<long>(ratios.size() / 2),
                      ratios.end());
     const double typical = ratios[ratios.size() / 2];
-    return typical > kHealFactor || typical < 1.0 / kHealFactor;
+    const bool off = typical > kHealFactor || typical < 1.0 / kHealFactor;
+    return off ? CostVerdict::kDisagree : CostVerdict::kAgree;
 }
 
 void AdaptivePolicy::expected_tokens(int cap, std::vector<double>& out) const {

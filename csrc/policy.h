@@ -110,9 +110,10 @@ class AdaptivePolicy {
                    double seconds_taken);
     double calibration_seconds() const { return calibration_seconds_; }
     // Whether this request's steps found the calibrated verify costs wrong by more than a busy
-    // machine's noise: a calibration taken while something else ran (and then stored and
-    // reused) is off for good until measured again.
-    bool costs_disagree() const;
+    // machine's noise (a calibration taken while something else ran, and then stored and
+    // reused, is off for good until measured again), right, or were too few to judge.
+    enum class CostVerdict { kUnjudged, kAgree, kDisagree };
+    CostVerdict cost_verdict() const;
     bool calibrated() const { return !verify_cost_.empty(); }
 
     // A new request is new text: whatever the last one taught, look at this one soon.

@@ -162,7 +162,7 @@ def llama_cpp_cell(
                     seed=SEED + i,
                     n_ctx=2048,
                     n_threads=args.threads,
-                    n_gpu_layers=0,
+                    n_gpu_layers=args.n_gpu_layers,
                 )
             )
             # Its own rate over what it decoded (it overshoots -n by up to a draft).
@@ -180,6 +180,7 @@ def ready_decoder(
     prompts: list[str],
     streams: int,
     threads: int | None,
+    gpu_layers: int = 0,
 ) -> Iterator[sd.SpeculativeDecoder]:
     """The member's decoder for `streams` streams, every prompt read once and calibrated."""
     target, draft = files
@@ -189,6 +190,7 @@ def ready_decoder(
         n_ctx=2048 * streams,
         n_parallel=streams,
         n_threads=threads,
+        n_gpu_layers=gpu_layers,
     ) as dec:
         # Where the prompts fit the slots, later configurations find them cached: read first,
         # none of them pays for the prompts cold.
@@ -210,7 +212,9 @@ def bench_member(
     configs = ks + ([VARIANTS[args.ab]] if args.ab else [])
     result: dict[str, Any] = {"member": member.__dict__, "prompts": len(prompts), "cells": []}
     for streams in args.streams:
-        with ready_decoder(member, (target, draft), prompts, streams, args.threads) as dec:
+        with ready_decoder(
+            member, (target, draft), prompts, streams, args.threads, args.n_gpu_layers
+        ) as dec:
             for temp in args.temps:
                 print(f"{member.name}: {streams} stream(s), T={temp:g}", file=sys.stderr)
                 cell = run_cell(dec, prompts, configs, streams, temp, args)
@@ -263,6 +267,9 @@ def main() -> None:
     ap.add_argument("--streams", default="1,4")
     ap.add_argument("--temps", default="0,0.8")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "-ngl", "--n-gpu-layers", type=int, default=0, help="layers of both models on the GPU"
+    )
     ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp beside the 1-stream cells")
     ap.add_argument(
         "--ab",

@@ -21,6 +21,26 @@ NEAR_TIE_GAP = 0.35
 # decision margin (1.3-2.0, see test_greedy_identity).
 BATCHED_NEAR_TIE_GAP = 0.5
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--n-gpu-layers",
+        type=int,
+        default=None,
+        help="Decoders the tests build put this many layers of each model on the GPU (-1: all), "
+        "for a build with a GPU backend; they run on the CPU by default.",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every decoder a test builds takes its default from here, so the same tests check a GPU build.
+    layers = config.getoption("--n-gpu-layers")
+    if layers is not None:
+        defaults = sd.SpeculativeDecoder.__init__.__kwdefaults__
+        assert defaults is not None
+        defaults["n_gpu_layers"] = layers
+
+
 PROMPTS = [
     "The history of the Roman Empire",
     "def fibonacci(n):\n    ",

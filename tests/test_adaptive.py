@@ -200,6 +200,24 @@ def test_damaged_or_stale_cost_curve_is_measured_again(
         assert dec.policy_state()["calibration"] == "measured"
 
 
+def test_recalibration_backs_off_while_the_steps_keep_contradicting_it(
+    tiny_pair: models.ModelPair,
+) -> None:
+    # A machine whose decodes time differently in a calibration than in use would otherwise
+    # measure again after every request: the n-th recalibration in a row waits 2^n requests.
+    with _decoder(tiny_pair, calibration_cache=False) as dec:
+        dec.calibrate()
+        engine = dec._live()
+        recalibrated = []
+        for _ in range(7):
+            state = engine.policy_state()
+            engine.set_calibration(
+                [3 * t for t in state["verify_costs"]], [3 * t for t in state["draft_costs"]]
+            )
+            recalibrated.append(dec.generate("the cat", 64).stats.recalibrated)
+        assert recalibrated == [True, False, True, False, False, False, True]
+
+
 def test_a_stored_cost_curve_the_steps_contradict_is_measured_again(
     deep_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
