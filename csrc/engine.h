@@ -192,6 +192,8 @@ class Engine {
     // Measures the costs again after a request whose steps found them off (idle engine only,
     // and backing off while they stay off).
     void recalibrate_after(Generation& g);
+    // Counts a finished request's verdict on the costs toward the back-off; true when the costs
+    // are to be measured again now.
     bool recalibration_due(const Generation& g);
     void stop_everything();
     EngineParts parts();

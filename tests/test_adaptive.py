@@ -204,7 +204,8 @@ def test_recalibration_backs_off_while_the_steps_keep_contradicting_it(
     tiny_pair: models.ModelPair,
 ) -> None:
     # A machine whose decodes time differently in a calibration than in use would otherwise
-    # measure again after every request: the n-th recalibration in a row waits 2^n requests.
+    # measure again after every request: after n recalibrations in a row, the next waits for
+    # 2^n requests whose steps disagree.
     with _decoder(tiny_pair, calibration_cache=False) as dec:
         dec.calibrate()
         engine = dec._live()
