@@ -60,6 +60,7 @@ Model::Model(const ModelParams& params)
     : model_(weights(params)),
       path_(params.path),
       n_ctx_(params.n_ctx),
+      offloaded_(params.n_gpu_layers != 0 && llama_supports_gpu_offload()),
       held_(static_cast<size_t>(std::max(params.n_seq, 1))) {
     clear_recent_errors();
     vocab_ = llama_model_get_vocab(model_.get());

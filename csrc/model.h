@@ -51,6 +51,8 @@ class Model {
     // The most tokens one llama_decode takes (llama.cpp caps the asked n_batch at n_ctx).
     int n_batch() const { return static_cast<int>(llama_n_batch(ctx_.get())); }
     void set_threads(int n) { llama_set_n_threads(ctx_.get(), n, n); }
+    // Whether some of its layers run on a GPU (asked for, and the build has a GPU backend).
+    bool offloaded() const { return offloaded_; }
 
     std::vector<llama_token> tokenize(const std::string& text, bool add_special,
                                       bool parse_special) const;
@@ -88,6 +90,7 @@ class Model {
     const llama_vocab* vocab_ = nullptr;
     std::string path_;
     int n_ctx_;
+    bool offloaded_;
     std::vector<std::vector<llama_token>> held_;  // [seq]
 };
 

@@ -5,6 +5,12 @@ llama-cpp-python ships its libraries as copies (libllama.so, libllama.so.0, ...)
 loaded first, the dynamic loader would map that file, and llama_cpp's later load of the other copy
 would map a second libllama with its own global state. Loading llama_cpp's file first, by the same
 path, makes the loader resolve our soname to it, and llama_cpp's later load to the same file.
+
+Both load libllama into the process's global scope, with its GPU backend. A CUDA build's
+libggml-cuda exports its own copies of C++ standard-library templates (std::ostream's number
+output among them); where the C++ runtime was loaded before, privately (numpy loads it), libllama
+would bind to those copies while the runtime uses its own, and crash printing a number while
+loading a model. The runtime is made global first, so that every library binds to its copies.
 """
 
 from __future__ import annotations
@@ -23,8 +29,18 @@ def libllama_path() -> Path:
     return Path(spec.origin).parent / "lib" / name
 
 
+def load_cxx_runtime_globally() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass  # no GNU C++ runtime to load (another C library or C++ runtime): nothing to order
+
+
 def load_shared_libllama() -> None:
     path = libllama_path()
     if not path.exists():
         raise ImportError(f"llama-cpp-python's library is missing: {path}")
+    load_cxx_runtime_globally()
     ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
