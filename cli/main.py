@@ -315,6 +315,35 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--min-p", default=0.0, show_default=True, type=float)
+@click.option(
+    "--repeat-penalty",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="llama.cpp's: divide the positive logits (multiply the negative) of the last "
+    "--repeat-last-n tokens by this; 1: off.",
+)
+@click.option(
+    "--repeat-last-n",
+    default=64,
+    show_default=True,
+    type=int,
+    help="Tokens the repeat penalty looks back over, prompt included (-1: all, 0: none).",
+)
+@click.option(
+    "--presence-penalty",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="Lower a generated token's logit by this once it has been generated (-2..2).",
+)
+@click.option(
+    "--frequency-penalty",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="Lower a generated token's logit by this times how often it was generated (-2..2).",
+)
 @click.option("--seed", default=None, type=int, help="Random seed (default: random).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True, type=int)
@@ -361,6 +390,10 @@ def run(
     top_k: int,
     top_p: float,
     min_p: float,
+    repeat_penalty: float,
+    repeat_last_n: int,
+    presence_penalty: float,
+    frequency_penalty: float,
     seed: int | None,
     stop: tuple[str, ...],
     n_ctx: int,
@@ -429,6 +462,10 @@ def run(
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
             seed=seed,
             stop=list(stop),
             draft_p_min=draft_p_min,

@@ -277,6 +277,8 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("logit_bias", &GenerateRequest::logit_bias)
         .def_readwrite("presence_penalty", &GenerateRequest::presence_penalty)
         .def_readwrite("frequency_penalty", &GenerateRequest::frequency_penalty)
+        .def_readwrite("repeat_penalty", &GenerateRequest::repeat_penalty)
+        .def_readwrite("repeat_last_n", &GenerateRequest::repeat_last_n)
         .def_readwrite("ngram_index", &GenerateRequest::ngram_index)
         .def_property(
             "draft_rule",

@@ -211,6 +211,10 @@ void Engine::check_request(const GenerateRequest& request) const {
         if (!(penalty >= -2.0f && penalty <= 2.0f))
             throw std::invalid_argument(
                 "presence_penalty and frequency_penalty must be in [-2, 2]");
+    if (!(request.repeat_penalty > 0.0f) || std::isinf(request.repeat_penalty))
+        throw std::invalid_argument("repeat_penalty must be a finite number > 0 (1: off)");
+    if (request.repeat_last_n < -1)
+        throw std::invalid_argument("repeat_last_n must be >= -1 (-1: the whole sequence)");
     if (request.logprobs < -1 || request.logprobs > kMaxTopLogprobs)
         throw std::invalid_argument("logprobs must be -1 (none) or in [0, " +
                                     std::to_string(kMaxTopLogprobs) + "], got " +

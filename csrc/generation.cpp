@@ -53,6 +53,7 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
     draft_reads_prompt_ahead_ = parts_.drafter != nullptr && !adaptive_ && n_draft_ > 0;
     draft_knows_prompt_ = draft_reads_prompt_ahead_;
     if (penalized()) token_counts_.assign(static_cast<size_t>(parts_.target.n_vocab()), 0);
+    if (repeat_penalized()) repeat_stamp_.assign(static_cast<size_t>(parts_.target.n_vocab()), 0);
 }
 
 void Generation::begin() {
@@ -329,7 +330,8 @@ void Generation::count_verdict(llama_token token) {
     if (token_counts_[static_cast<size_t>(token)]++ == 0) counted_.push_back(token);
 }
 
-void Generation::apply_penalties(float* logits) const {
+void Generation::apply_penalties(float* logits) {
+    if (repeat_penalized()) apply_repeat_penalty(logits);
     for (llama_token t : counted_) {
         int n = token_counts_[static_cast<size_t>(t)];
 #ifdef SPECDEC_TEST_HOOKS
@@ -338,6 +340,27 @@ void Generation::apply_penalties(float* logits) const {
 #endif
         if (n > 0)
             logits[t] -= req_.presence_penalty + req_.frequency_penalty * static_cast<float>(n);
+    }
+}
+
+// The row's window is the sequence before it: the committed tokens and this step's verdicts so
+// far (the drafted tokens the rows before it accepted).
+void Generation::apply_repeat_penalty(float* logits) {
+    size_t verdicts = step_tokens_.size();
+#ifdef SPECDEC_TEST_HOOKS
+    if (stale_penalties_for_tests.load()) verdicts = 0;
+#endif
+    const size_t length = seq_.size() + verdicts;
+    const size_t window =
+        req_.repeat_last_n < 0 ? length : std::min(length, static_cast<size_t>(req_.repeat_last_n));
+    const uint32_t call = ++repeat_call_;
+    for (size_t i = length - window; i < length; ++i) {
+        const llama_token t = i < seq_.size() ? seq_[i] : step_tokens_[i - seq_.size()];
+        auto& stamp = repeat_stamp_[static_cast<size_t>(t)];
+        if (stamp == call) continue;
+        stamp = call;
+        float& logit = logits[t];
+        logit = logit > 0.0f ? logit / req_.repeat_penalty : logit * req_.repeat_penalty;
     }
 }
 

@@ -74,6 +74,11 @@ struct GenerateRequest {
     // generated, and by frequency_penalty times how often (the prompt does not count).
     float presence_penalty = 0.0f;
     float frequency_penalty = 0.0f;
+    // llama.cpp's repetition penalty: each token among the last repeat_last_n of the sequence
+    // (prompt included; -1: all of it, 0: none) has its logit divided by repeat_penalty where
+    // positive and multiplied by it where negative. 1: off.
+    float repeat_penalty = 1.0f;
+    int repeat_last_n = 64;
     // false: the request neither drafts from the engine's shared n-gram index nor adds its
     // output to it (its own text's n-gram drafts stay).
     bool ngram_index = true;
@@ -274,10 +279,12 @@ class Generation {
     void drop_drafting(const std::string& why);
     void forget_draft();
     const float* target_logits(size_t row);
-    void apply_penalties(float* logits) const;
+    void apply_penalties(float* logits);
+    void apply_repeat_penalty(float* logits);
     bool penalized() const {
         return req_.presence_penalty != 0.0f || req_.frequency_penalty != 0.0f;
     }
+    bool repeat_penalized() const { return req_.repeat_penalty != 1.0f && req_.repeat_last_n != 0; }
     const Distribution& target_distribution(size_t row);
     llama_token greedy_verdict(size_t row);
     llama_token sampled_verdict(size_t row, llama_token x);
@@ -320,6 +327,9 @@ class Generation {
     // which tokens have, so that applying them touches those alone.
     std::vector<int> token_counts_;
     std::vector<llama_token> counted_;
+    // [token]: the last apply_repeat_penalty() call that penalised it (each token once a row).
+    std::vector<uint32_t> repeat_stamp_;
+    uint32_t repeat_call_ = 0;
     std::string fallback_why_;
     size_t base_ = 0;    // position of the first draft token
     int first_row_ = 0;  // this sequence's first row in the target's batch

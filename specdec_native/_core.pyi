@@ -39,6 +39,8 @@ class Request:
     logit_bias: list[tuple[int, float]]
     presence_penalty: float
     frequency_penalty: float
+    repeat_penalty: float
+    repeat_last_n: int
     ngram_index: bool
     logprobs: int  # -1: none; n: the token's and its n most likely alternatives'
     def __init__(self) -> None: ...

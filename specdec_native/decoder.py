@@ -614,6 +614,8 @@ class GenerationSettings:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
     ngram_index: bool = True  # False: neither drafts from the shared index nor adds to it
 
     @classmethod
@@ -639,6 +641,10 @@ class GenerationSettings:
             logit_bias=_check_logit_bias(d["logit_bias"]),
             presence_penalty=_check_float("presence_penalty", d["presence_penalty"]),
             frequency_penalty=_check_float("frequency_penalty", d["frequency_penalty"]),
+            repeat_penalty=_check_float(
+                "repeat_penalty", d["repeat_penalty"], lambda v: v > 0, "a finite number > 0"
+            ),
+            repeat_last_n=_check_int("repeat_last_n", d["repeat_last_n"], -1),
             ngram_index=_check_bool("ngram_index", d["ngram_index"]),
             max_tokens=_check_int("max_tokens", d["max_tokens"]),
             temperature=_check_float("temperature", d["temperature"]),
@@ -690,6 +696,8 @@ class GenerationSettings:
         request.logit_bias = list(self.logit_bias)
         request.presence_penalty = self.presence_penalty
         request.frequency_penalty = self.frequency_penalty
+        request.repeat_penalty = self.repeat_penalty
+        request.repeat_last_n = self.repeat_last_n
         request.ngram_index = self.ngram_index
         if self.constraint is not None:
             _load_llguidance()
@@ -1116,6 +1124,8 @@ class SpeculativeDecoder:
         logit_bias: dict[int, float] | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
         ngram_index: bool = True,
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
@@ -1159,7 +1169,10 @@ class SpeculativeDecoder:
         ``presence_penalty`` and ``frequency_penalty`` (-2..2, OpenAI's) lower a token's logit
         once it has been generated and by how often (the prompt does not count). They change the
         target's distribution, which speculation keeps exactly: each verified position is
-        penalised by the tokens before it, drafted ones included.
+        penalised by the tokens before it, drafted ones included. ``repeat_penalty`` (> 0, 1:
+        off; llama.cpp's) divides the positive logits, and multiplies the negative ones, of the
+        tokens among the last ``repeat_last_n`` of the sequence (prompt included; -1: all of it,
+        0: none), before the two above.
         ``ngram_index=False`` keeps this call out of the decoder's shared n-gram index
         (``ngram_index_mb``): it neither drafts from earlier requests' outputs nor adds its own.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
@@ -1182,6 +1195,8 @@ class SpeculativeDecoder:
             logit_bias=logit_bias or {},
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
+            repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n,
             ngram_index=ngram_index,
         )
         return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)

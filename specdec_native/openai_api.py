@@ -38,7 +38,6 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "repeat_penalty": lambda v: v not in (None, 1, 1.0),  # llama.cpp's; OpenAI's are supported
     "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v),
     "best_of": lambda v: v not in (None, 1),
@@ -154,6 +153,15 @@ class _Generation(_Body):
     )
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    repeat_penalty: Optional[float] = Field(
+        None,
+        gt=0.0,
+        description="llama-server's: the logits of the last repeat_last_n tokens (prompt "
+        "included) divided by this where positive, multiplied where negative; 1: off",
+    )
+    repeat_last_n: Optional[int] = Field(
+        None, ge=-1, le=MAX_INT, description="llama-server's: 64 unless given; -1: all, 0: none"
+    )
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None

@@ -272,6 +272,8 @@ def _job(
         logit_bias=body.token_biases,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
+        repeat_penalty=1.0 if body.repeat_penalty is None else body.repeat_penalty,
+        repeat_last_n=64 if body.repeat_last_n is None else body.repeat_last_n,
         ngram_index=body.ngram_index,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

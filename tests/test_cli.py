@@ -129,6 +129,9 @@ def test_user_errors_are_one_line(
         ("run", smollm2, "--draft", tiny_pair.target, "-p", "x"),
         ("run", tiny_pair.target, "--temp", "-1", "-p", "x"),
         ("run", tiny_pair.target, "--top-p", "2", "-p", "x"),
+        ("run", tiny_pair.target, "--repeat-penalty", "0", "-p", "x"),
+        ("run", tiny_pair.target, "--repeat-last-n", "-2", "-p", "x"),
+        ("run", tiny_pair.target, "--presence-penalty", "3", "-p", "x"),
         ("run", tiny_pair.target, "-k", "-2", "-p", "x"),
         ("run", tiny_pair.target, "-k", "lots", "-p", "x"),
         (

@@ -167,23 +167,33 @@ def test_the_test_catches_a_wrong_residual(far: sd.SpeculativeDecoder) -> None:
     assert p < 1e-6, f"resampling from p after a rejection went unnoticed (p={p:.2e})"
 
 
-# Negative penalties favour repeats strongly, so a rule that missed a step's own verdicts (the
-# third token's counts without the second, drafted in the same step) would show at once.
-PENALTIES = {"presence_penalty": -2.0, "frequency_penalty": -1.0, "logit_bias": [(270, 2.0)]}
+# Penalties that favour repeats strongly, so a rule that missed a step's own verdicts (the third
+# token's penalties without the second, drafted in the same step) would show at once: OpenAI's
+# (negative), and llama.cpp's repetition penalty below 1 over a window of 2, which the prompt
+# leaves as the sequence grows.
+PENALTIES: dict[str, dict[str, Any]] = {
+    "openai": {"presence_penalty": -2.0, "frequency_penalty": -1.0, "logit_bias": [(270, 2.0)]},
+    "repeat": {"repeat_penalty": 0.4, "repeat_last_n": 2},
+}
 
 
+@pytest.mark.parametrize("kind", PENALTIES)
 def test_penalties_and_logit_bias_keep_the_target_distribution(
-    near: sd.SpeculativeDecoder,
+    near: sd.SpeculativeDecoder, kind: str
 ) -> None:
-    base, _ = sample(near, 0, 80_000_000, **PENALTIES)
-    spec, rate = sample(near, 2, 90_000_000, **PENALTIES)
+    penalties = PENALTIES[kind]
+    base, _ = sample(near, 0, 80_000_000, **penalties)
+    plain, _ = sample(near, 0, 80_000_000)
+    p = homogeneity_pvalue(first_tokens(base, 3), first_tokens(plain, 3))
+    assert p < 1e-6, f"the penalties changed nothing (p={p:.2e})"
+    spec, rate = sample(near, 2, 90_000_000, **penalties)
     assert 0.05 < rate < 0.95
     for n in (1, 2, 3):
         p = homogeneity_pvalue(first_tokens(base, n), first_tokens(spec, n))
         assert p > 1e-3, f"first {n} tokens differ from target-only under penalties (p={p:.2e})"
     testing.set_stale_penalties(True)
     try:
-        stale, _ = sample(near, 2, 90_000_000, **PENALTIES)
+        stale, _ = sample(near, 2, 90_000_000, **penalties)
     finally:
         testing.set_stale_penalties(False)
     p = homogeneity_pvalue(first_tokens(base, 3), first_tokens(stale, 3))

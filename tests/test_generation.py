@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import PROMPTS
-from helpers import assert_stats_add_up
+from conftest import NEAR_TIE_GAP, PROMPTS
+from helpers import assert_same_or_near_tie, assert_stats_add_up
 
 import specdec_native as sd
 
@@ -67,6 +67,44 @@ def test_a_transform_that_keeps_only_the_best_token_samples_greedily(
     greedy = tiny_decoder.generate([1, 300, 270], 40)
     r = tiny_decoder.generate([1, 300, 270], 40, temperature=1.5, seed=7, **transform)
     assert r.tokens == greedy.tokens
+
+
+def test_repeat_penalty_is_llama_cpps_and_speculation_keeps_it(
+    deep_decoder: sd.SpeculativeDecoder,
+) -> None:
+    prompt = deep_decoder.tokenize(
+        "The cat sat on the mat. The cat sat on the", add_special=True, parse_special=True
+    )
+    penalty, last_n = 3.0, 16
+    logits = np.asarray(deep_decoder.next_token_logits(prompt), dtype=np.float32)
+    expected = logits.copy()
+    for t in set(prompt[-last_n:]):
+        expected[t] = expected[t] / penalty if expected[t] > 0 else expected[t] * penalty
+    assert int(np.argmax(expected)) != int(np.argmax(logits))  # the penalty decides here
+    kw: dict[str, Any] = {"repeat_penalty": penalty, "repeat_last_n": last_n}
+    first = deep_decoder.generate(prompt, 1, n_draft=0, **kw)
+    assert first.tokens == [int(np.argmax(expected))]
+    base = deep_decoder.generate(prompt, 24, n_draft=0, **kw)
+    spec = deep_decoder.generate(prompt, 24, n_draft=4, **kw)
+    assert spec.stats.n_drafted > 0
+    assert_same_or_near_tie(spec, base, NEAR_TIE_GAP)
+    assert deep_decoder.generate(prompt, 24, n_draft=4).tokens != spec.tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        ({"repeat_penalty": 0}, "repeat_penalty must be a finite number > 0"),
+        ({"repeat_penalty": float("inf")}, "repeat_penalty must be a finite number > 0"),
+        ({"repeat_last_n": -2}, "repeat_last_n must be >= -1"),
+        ({"repeat_last_n": 1.5}, "repeat_last_n must be an integer"),
+    ],
+)
+def test_bad_repeat_penalties_are_refused(
+    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict[str, Any], error: str
+) -> None:
+    with pytest.raises((ValueError, TypeError), match=error):
+        tiny_decoder.generate("the", 3, **kwargs)
 
 
 def test_max_tokens_is_exact(deep_decoder: sd.SpeculativeDecoder) -> None:

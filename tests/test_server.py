@@ -960,8 +960,21 @@ def test_penalties_and_logit_bias(
         frequency_penalty=2.0, presence_penalty=2.0,
     )  # fmt: skip
     assert r.choices[0].text
+    # llama-server's repetition penalty: over a window holding the prompt's " blue", a penalty
+    # that divides its logit by 100 makes the answer another token.
+    repeated = "red, green, blue, red, green, blue, red, green,"
+    answers = [
+        client.completions.create(
+            model="smol", prompt=repeated, max_tokens=1, temperature=0, extra_body=extra
+        )
+        .choices[0]
+        .text
+        for extra in ({}, {"repeat_penalty": 100.0, "repeat_last_n": -1}, {"repeat_penalty": 1.0})
+    ]
+    assert answers[0] == answers[2] == " blue" != answers[1]
     for bad in ({"logit_bias": {"abc": 1}}, {"logit_bias": {"1": 101}},
-                {"logit_bias": {"999999999": 1}}, {"presence_penalty": 3}):  # fmt: skip
+                {"logit_bias": {"999999999": 1}}, {"presence_penalty": 3},
+                {"repeat_penalty": 0}, {"repeat_last_n": -2}):  # fmt: skip
         resp = httpx.post(
             chat_server.url + "/v1/completions", json={"prompt": "x", **bad}, timeout=60
         )
