@@ -33,14 +33,46 @@ MAX_LOGIT_BIAS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
-# Fields of the OpenAI API that would change what is generated and that this server does not
-# implement: a request using them gets a 400 rather than a silently different answer.
+
+def _used_unless(off: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """Whether a field's value asks for something: not None and not what `off` accepts (a value
+    of the wrong type asks for something this server cannot tell)."""
+
+    def used(value: Any) -> bool:
+        if value is None:
+            return False
+        try:
+            return not off(value)
+        except TypeError:
+            return True
+
+    return used
+
+
+def _at_most(limit: float) -> Callable[[Any], bool]:
+    return lambda v: not isinstance(v, bool) and v <= limit
+
+
+# Fields that would change what is generated and that this server does not implement, OpenAI's
+# and llama-server's (its samplers, set to anything but off): a request using them gets a 400
+# rather than a silently different answer. llama.cpp's web UI sends the off values.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
     "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v),
     "best_of": lambda v: v not in (None, 1),
+    "typical_p": _used_unless(lambda v: not isinstance(v, bool) and v >= 1),
+    "mirostat": _used_unless(lambda v: v == 0 and not isinstance(v, bool)),
+    "dynatemp_range": _used_unless(_at_most(0)),
+    "top_n_sigma": _used_unless(_at_most(0)),
+    "xtc_probability": _used_unless(_at_most(0)),
+    "dry_multiplier": _used_unless(_at_most(0)),
+    "n_probs": _used_unless(_at_most(0)),
+    "min_keep": _used_unless(_at_most(0)),
+    "ignore_eos": _used_unless(lambda v: v is False),
+    "grammar_lazy": _used_unless(lambda v: v is False),
+    "lora": _used_unless(lambda v: v == []),
 }
 
 
@@ -127,6 +159,9 @@ class _Generation(_Body):
     model: Optional[str] = Field(None, max_length=256)
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    n_predict: Optional[int] = Field(
+        None, ge=-1, le=MAX_INT, description="llama-server's max_tokens; -1: no limit"
+    )
     temperature: Optional[float] = Field(None, ge=0.0, le=100.0, description="default 1")
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0, le=MAX_INT)
@@ -267,9 +302,19 @@ class _Generation(_Body):
     def token_biases(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
+    @field_validator("n_predict")
+    @classmethod
+    def _predicts_something(cls, n: Optional[int]) -> Optional[int]:
+        if n == 0:
+            raise ValueError("must be -1 (no limit) or at least 1")
+        return n
+
     @property
     def token_limit(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        for limit in (self.max_tokens, self.max_completion_tokens, self.n_predict):
+            if limit is not None:
+                return None if limit == -1 else limit
+        return None
 
 
 class ContentPart(_Body):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import httpx
 import jsonschema  # type: ignore[import-untyped]
@@ -929,6 +929,41 @@ def test_logprobs_in_openais_shapes(client: openai.OpenAI) -> None:
     ]
     assert [t for p in pieces for t in p.logprobs.tokens or []] == lp.tokens  # type: ignore[union-attr]
     assert [o for p in pieces for o in p.logprobs.text_offset or []] == lp.text_offset  # type: ignore[union-attr]
+
+
+def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server: Server) -> None:
+    def post(**fields: object) -> httpx.Response:
+        return httpx.post(
+            chat_server.url + "/v1/completions",
+            json={"prompt": "Colours:", "max_tokens": 3, "temperature": 0, **fields},
+            timeout=60,
+        )
+
+    refused: list[dict[str, Any]] = [
+        {"echo": True}, {"suffix": "!"}, {"best_of": 2}, {"functions": [{"name": "f"}]},
+        {"typical_p": 0.9}, {"mirostat": 2}, {"dynatemp_range": 0.5}, {"top_n_sigma": 1.0},
+        {"xtc_probability": 0.5}, {"dry_multiplier": 0.8}, {"n_probs": 3}, {"min_keep": 2},
+        {"ignore_eos": True}, {"grammar_lazy": True}, {"lora": [{"id": 0, "scale": 1}]},
+        {"typical_p": "0.9"}, {"n_predict": 0},
+    ]  # fmt: skip
+    for fields in refused:
+        r = post(**fields)
+        (name,) = fields
+        assert r.status_code == 400 and name in r.json()["error"]["message"], (fields, r.text)
+    # What llama.cpp's web UI sends with every request: each sampler set to off.
+    off: dict[str, Any] = {
+        "typical_p": 1, "mirostat": 0, "dynatemp_range": 0, "top_n_sigma": -1,
+        "xtc_probability": 0, "dry_multiplier": 0, "n_probs": 0, "min_keep": 0,
+        "ignore_eos": False, "grammar_lazy": False, "lora": [], "samplers": "edkypmxt",
+    }  # fmt: skip
+    assert post(**off).status_code == 200
+    # llama-server's n_predict is max_tokens; -1 is no limit.
+    r = httpx.post(
+        chat_server.url + "/v1/completions",
+        json={"prompt": "Colours:", "n_predict": 2, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
 def test_penalties_and_logit_bias(
