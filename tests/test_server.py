@@ -1009,7 +1009,9 @@ def test_penalties_and_logit_bias(
     assert answers[0] == answers[2] == " blue" != answers[1]
     for bad in ({"logit_bias": {"abc": 1}}, {"logit_bias": {"1": 101}},
                 {"logit_bias": {"999999999": 1}}, {"presence_penalty": 3},
-                {"repeat_penalty": 0}, {"repeat_last_n": -2}):  # fmt: skip
+                {"repeat_penalty": 0}, {"repeat_last_n": -2}, {"repeat_penalty": "1.1"},
+                {"repeat_penalty": True}, {"repeat_last_n": 2**40}, {"n_predict": True},
+                {"n_predict": -2}, {"repeat_penalty": 1e39}):  # fmt: skip
         resp = httpx.post(
             chat_server.url + "/v1/completions", json={"prompt": "x", **bad}, timeout=60
         )
