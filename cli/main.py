@@ -142,6 +142,64 @@ def gpu_layers_option(help_text: str, envvar: str | None = None) -> Callable[[F]
     )
 
 
+def sampling_options(temperature: float, envvar_prefix: str | None = None) -> Callable[[F], F]:
+    """The sampling options llama.cpp's tools take, with `temperature` as --temp's default
+    (`envvar_prefix`: each also read from PREFIX_NAME, e.g. SPECDEC_TEMP)."""
+    specs: list[tuple[str, str, type, float, str]] = [
+        ("--temp", "temperature", float, temperature, "0 = greedy."),
+        ("--top-k", "top_k", int, 0, "0 = off."),
+        ("--top-p", "top_p", float, 1.0, "1 = off."),
+        ("--min-p", "min_p", float, 0.0, "0 = off."),
+        (
+            "--repeat-penalty",
+            "repeat_penalty",
+            float,
+            1.0,
+            "llama.cpp's: divide the positive logits (multiply the negative) of the last "
+            "--repeat-last-n tokens by this; 1 = off.",
+        ),
+        (
+            "--repeat-last-n",
+            "repeat_last_n",
+            int,
+            64,
+            "Tokens the repeat penalty looks back over, prompt included (-1: all, 0: none).",
+        ),
+        (
+            "--presence-penalty",
+            "presence_penalty",
+            float,
+            0.0,
+            "Lower a generated token's logit by this once it has been generated (-2..2).",
+        ),
+        (
+            "--frequency-penalty",
+            "frequency_penalty",
+            float,
+            0.0,
+            "Lower a generated token's logit by this times how often it was generated (-2..2).",
+        ),
+    ]
+
+    def decorate(f: F) -> F:
+        for flag, name, kind, default, help_text in reversed(specs):
+            envvar = (
+                f"{envvar_prefix}_{flag[2:].replace('-', '_').upper()}" if envvar_prefix else None
+            )
+            f = click.option(
+                flag,
+                name,
+                default=kind(default),
+                show_default=True,
+                type=kind,
+                envvar=envvar,
+                help=help_text,
+            )(f)
+        return f
+
+    return decorate
+
+
 def draft_gpu_layers_option(envvar: str | None = None) -> Callable[[F], F]:
     """-ngld: the draft's offloaded layers, by default as many as the target's."""
     return click.option(
@@ -309,41 +367,7 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
     type=float,
     help="Stop a draft early when the draft's probability of its next token is below this.",
 )
-@click.option(
-    "--temp", "temperature", default=0.0, show_default=True, type=float, help="0 = greedy."
-)
-@click.option("--top-k", default=0, show_default=True, type=int)
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--min-p", default=0.0, show_default=True, type=float)
-@click.option(
-    "--repeat-penalty",
-    default=1.0,
-    show_default=True,
-    type=float,
-    help="llama.cpp's: divide the positive logits (multiply the negative) of the last "
-    "--repeat-last-n tokens by this; 1: off.",
-)
-@click.option(
-    "--repeat-last-n",
-    default=64,
-    show_default=True,
-    type=int,
-    help="Tokens the repeat penalty looks back over, prompt included (-1: all, 0: none).",
-)
-@click.option(
-    "--presence-penalty",
-    default=0.0,
-    show_default=True,
-    type=float,
-    help="Lower a generated token's logit by this once it has been generated (-2..2).",
-)
-@click.option(
-    "--frequency-penalty",
-    default=0.0,
-    show_default=True,
-    type=float,
-    help="Lower a generated token's logit by this times how often it was generated (-2..2).",
-)
+@sampling_options(temperature=0.0)
 @click.option("--seed", default=None, type=int, help="Random seed (default: random).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True, type=int)
@@ -386,14 +410,6 @@ def run(
     max_tokens: int,
     n_draft: str,
     draft_p_min: float,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-    repeat_penalty: float,
-    repeat_last_n: int,
-    presence_penalty: float,
-    frequency_penalty: float,
     seed: int | None,
     stop: tuple[str, ...],
     n_ctx: int,
@@ -409,6 +425,7 @@ def run(
     regex: str | None,
     recalibrate: bool,
     verbose: bool,
+    **sampling: Any,
 ) -> None:
     """Generate from TARGET, drafting with --draft.
 
@@ -458,14 +475,6 @@ def run(
         result = sd.generate(
             text,
             max_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            repeat_last_n=repeat_last_n,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
             seed=seed,
             stop=list(stop),
             draft_p_min=draft_p_min,
@@ -473,6 +482,7 @@ def run(
             grammar=None if grammar_file is None else _read_text(grammar_file),
             regex=regex,
             on_text=None if as_json else echo,
+            **sampling,
         )
         calibration = _calibration_note(sd.policy_state()) if sd.n_draft == "auto" else None
     if as_json:
@@ -845,6 +855,7 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     help="Start the shared n-gram index from this file (if it exists) and save it there on exit.",
 )
 @chat_template_option(envvar="SPECDEC_CHAT_TEMPLATE")
+@sampling_options(temperature=1.0, envvar_prefix="SPECDEC")
 @click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
@@ -874,21 +885,29 @@ def serve(
     ngram_index_file: Path | None,
     chat_template: str | None,
     log_format: str,
+    **sampling: Any,
 ) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair."""
+    /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair.
+    The sampling options are what a request that leaves the field out gets."""
     from specdec_native import SpeculativeDecoder, models
     from specdec_native.decoder import (
         MAX_NGRAM_INDEX_MB,
         MAX_PARALLEL,
         MIN_NGRAM_INDEX_MB,
         ChatTemplate,
+        GenerationSettings,
     )
 
     try:
         import uvicorn
 
-        from specdec_native.server import ServerSettings, configure_log, create_app
+        from specdec_native.server import (
+            SamplingDefaults,
+            ServerSettings,
+            configure_log,
+            create_app,
+        )
     except ImportError as e:
         raise click.ClickException(
             f"serve needs the server extra: pip install 'specdec[server]' ({e})"
@@ -913,6 +932,7 @@ def serve(
         raise click.ClickException("--grace must be a number of seconds >= 0")
     template = _chat_template_value(chat_template)
     ChatTemplate.of(template)  # a bad one is this command's error, before the models load
+    GenerationSettings.checked(**sampling).check_values()  # likewise a bad value
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -930,6 +950,7 @@ def serve(
         request_timeout=request_timeout,
         n_draft=k if has_drafter else 0,
         grace=grace,
+        sampling=SamplingDefaults(**sampling),
         ngram_index_file=ngram_index_file
         if (ngram or ngram_with_model) and ngram_index_mb
         else None,

@@ -455,6 +455,8 @@ PYBIND11_MODULE(_core, m) {
           "Loads llguidance's C API from its shared library (structured output).");
     m.attr("MAX_TOP_LOGPROBS") = kMaxTopLogprobs;
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
+    m.def("check_request_values", &Engine::check_request_values, py::arg("request"),
+          "ValueError for values no model could accept (the prompt is not checked).");
 
 #ifdef SPECDEC_TEST_HOOKS
     bind_testing(m.def_submodule("testing", "Test hooks: the maths and rules alone. Not API."));

@@ -185,9 +185,8 @@ void Engine::check_tokens(const std::vector<llama_token>& tokens) const {
                                         std::to_string(target_->n_vocab() - 1) + ")");
 }
 
-void Engine::check_request(const GenerateRequest& request) const {
+void Engine::check_request_values(const GenerateRequest& request) {
     validate(request.sampling);
-    if (request.prompt.empty()) throw std::invalid_argument("the prompt has no tokens");
     if (request.max_tokens < 1)
         throw std::invalid_argument("max_tokens must be >= 1, got " +
                                     std::to_string(request.max_tokens));
@@ -202,11 +201,9 @@ void Engine::check_request(const GenerateRequest& request) const {
         throw std::invalid_argument("timeout must be a finite number of seconds >= 0 (0: none)");
     for (const auto& s : request.stop)
         if (s.empty()) throw std::invalid_argument("stop strings must not be empty");
-    for (const auto& [token, bias] : request.logit_bias) {
-        check_tokens({token});
-        if (!(bias >= -100.0f && bias <= 100.0f))
+    for (const auto& entry : request.logit_bias)
+        if (!(entry.second >= -100.0f && entry.second <= 100.0f))
             throw std::invalid_argument("logit_bias values must be in [-100, 100]");
-    }
     for (float penalty : {request.presence_penalty, request.frequency_penalty})
         if (!(penalty >= -2.0f && penalty <= 2.0f))
             throw std::invalid_argument(
@@ -219,6 +216,12 @@ void Engine::check_request(const GenerateRequest& request) const {
         throw std::invalid_argument("logprobs must be -1 (none) or in [0, " +
                                     std::to_string(kMaxTopLogprobs) + "], got " +
                                     std::to_string(request.logprobs));
+}
+
+void Engine::check_request(const GenerateRequest& request) const {
+    check_request_values(request);
+    if (request.prompt.empty()) throw std::invalid_argument("the prompt has no tokens");
+    for (const auto& entry : request.logit_bias) check_tokens({entry.first});
     check_tokens(request.prompt);
     const int n_ctx = std::min(target_->n_ctx(), draft_ ? draft_->n_ctx() : target_->n_ctx());
     if (static_cast<int>(request.prompt.size()) >= n_ctx)

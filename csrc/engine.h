@@ -57,6 +57,9 @@ class Engine {
     // whole.
     static constexpr int kPrefillChunk = 32;
     static constexpr int kMinPrefillChunk = 8;
+    // Throws std::invalid_argument for a request's values that no model could accept (its prompt
+    // and token ids are the engine's to check): what a caller can check before loading one.
+    static void check_request_values(const GenerateRequest& request);
 
     explicit Engine(const EngineConfig& config);
     ~Engine();

@@ -704,6 +704,12 @@ class GenerationSettings:
             request.constraint_kind, request.constraint = self.constraint
         return request
 
+    def check_values(self) -> GenerationSettings:
+        """These settings, once the engine's checks of their values pass (ValueError for the
+        first that fails): what a caller can check before a model is loaded."""
+        _core.check_request_values(self.engine_request([], False, None))
+        return self
+
     def adaptive(self, decoder_default: bool) -> bool:
         """Whether K is chosen each step ("auto"): this call's n_draft, else the decoder's."""
         return decoder_default if self.n_draft is None else self.n_draft == AUTO

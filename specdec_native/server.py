@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,21 @@ WARM_UP_BOUND = 20.0
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling field out gets: OpenAI's defaults, unless the
+    operator set others (`serve --temp`, `--repeat-penalty`, ... as llama-server takes them)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     model_alias: str
     api_key: str | None = None
@@ -68,6 +83,7 @@ class ServerSettings:
     n_draft: int | str = AUTO
     grace: float = 30.0  # seconds running requests get to finish after SIGTERM
     ngram_index_file: Path | None = None  # the shared n-gram index: loaded at start, saved at exit
+    sampling: SamplingDefaults = SamplingDefaults()
 
 
 class RequestError(Exception):
@@ -237,6 +253,16 @@ class Job:
     tools: ToolFormat | None = None  # the output is read back as tool calls or an answer
 
 
+def _sampling(
+    body: ChatCompletionRequest | CompletionRequest, defaults: SamplingDefaults
+) -> dict[str, Any]:
+    """The body's sampling fields, each the server's default where the body leaves it out."""
+    return {
+        name: default if getattr(body, name) is None else getattr(body, name)
+        for name, default in asdict(defaults).items()
+    }
+
+
 def _job(
     body: ChatCompletionRequest | CompletionRequest,
     decoder: SpeculativeDecoder,
@@ -256,10 +282,7 @@ def _job(
     generation = GenerationSettings.checked(
         # Without max_tokens, generate until the end token or a full context, as OpenAI does.
         max_tokens=min(body.token_limit or limit, limit),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
+        **_sampling(body, settings.sampling),
         seed=None if body.seed is None else body.seed % (1 << 64),
         stop=body.stops,
         n_draft=settings.n_draft if spec is None or spec.n_max is None else spec.n_max,
@@ -270,10 +293,6 @@ def _job(
         constraint=constraint,
         logprobs=body.n_logprobs,
         logit_bias=body.token_biases,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repeat_penalty=1.0 if body.repeat_penalty is None else body.repeat_penalty,
-        repeat_last_n=64 if body.repeat_last_n is None else body.repeat_last_n,
         ngram_index=body.ngram_index,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

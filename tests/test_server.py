@@ -500,6 +500,49 @@ def test_a_bad_index_size_is_one_line(value: str) -> None:
     assert "--ngram-index-mb" in r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize(
+    "option,message",
+    [
+        (("--temp", "-1"), "temperature must be"),
+        (("--top-p", "0"), "top_p must be"),
+        (("--repeat-penalty", "0"), "repeat_penalty must be"),
+        (("--presence-penalty", "3"), "presence_penalty and frequency_penalty must be"),
+    ],
+)
+def test_bad_sampling_defaults_are_one_line_before_loading(
+    option: tuple[str, str], message: str
+) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve", *option, "--port", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert message in r.stderr.strip().splitlines()[-1]
+
+
+def test_sampling_defaults_apply_to_requests_that_leave_them_out(smollm2_q40: Path) -> None:
+    # llama-server's options: greedy, and a repetition penalty over the whole text that divides
+    # the logit of every token seen by 100, unless a request sets its own.
+    server = start(
+        smollm2_q40, "-c", "256", "-np", "1", "--temp", "0", "--repeat-penalty", "100",
+        "--repeat-last-n", "-1",
+    )  # fmt: skip
+    try:
+
+        def answer(**fields: object) -> str:
+            body = {"prompt": "red, green, blue, red, green, blue, red, green,", "max_tokens": 1}
+            r = httpx.post(server.url + "/v1/completions", json={**body, **fields}, timeout=60)
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+        defaults = [answer(), answer()]
+        own = answer(repeat_penalty=1.0)
+    finally:
+        assert server.stop() == 0
+    assert defaults[0] == defaults[1] != " blue"  # greedy, and the penalty on " blue"
+    assert own == " blue"
+
+
 class City(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=24)
     country: str = pydantic.Field(max_length=24)
