@@ -433,8 +433,10 @@ def run(
     SmolLM2-135M as the draft and a synthetic 6x-deep SmolLM2 target.
     """
     from specdec_native import SpeculativeDecoder, models
+    from specdec_native.decoder import GenerationSettings
 
     k = _draft_option_value(n_draft)
+    GenerationSettings.checked(**sampling).check_values()  # before the models load
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")

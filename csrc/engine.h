@@ -215,8 +215,9 @@ class Engine {
     BatchCosts measure_batch_costs(const std::vector<llama_token>& context, const CostCurve& curve,
                                    Batch& batch);
     // Seconds for one decode of n tokens after `context`, which `model` holds; forgotten after.
+    // `warm`: the decode just before was of the same shape (a GPU's graph needs no warm-up).
     double time_decode_locked(Model& model, Batch& batch, const std::vector<llama_token>& context,
-                              int n);
+                              int n, bool warm = false);
     // Target decodes of 1..max_n tokens, each of 1 and 2 followed by the draft's of that size.
     CostSweep cost_sweep_locked(const std::vector<llama_token>& context, int max_n, Batch& batch);
 

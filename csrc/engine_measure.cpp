@@ -88,7 +88,7 @@ std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_t
 }
 
 double Engine::time_decode_locked(Model& model, Batch& batch,
-                                  const std::vector<llama_token>& context, int n) {
+                                  const std::vector<llama_token>& context, int n, bool warm) {
     const auto pos = static_cast<llama_pos>(context.size());
     batch.clear();
     for (int i = 0; i < n; ++i)
@@ -96,7 +96,7 @@ double Engine::time_decode_locked(Model& model, Batch& batch,
     // llama.cpp's CUDA backend replays a decode as a captured graph only from the third decode
     // of the same shape in a row, and a small batch runs much faster so; a step repeats its
     // shapes, so on a GPU each is timed as the steps will see it, after two decodes of it.
-    const int untimed = model.offloaded() ? kGraphWarmupDecodes : 0;
+    const int untimed = model.offloaded() && !warm ? kGraphWarmupDecodes : 0;
     double seconds = 0.0;
     for (int i = 0; i <= untimed; ++i) {
         const auto start = Clock::now();
@@ -182,7 +182,7 @@ BatchCosts Engine::measure_batch_costs(const std::vector<llama_token>& context,
     const auto fastest = [&](Model& model, int n) {
         double best = 0.0;
         for (int r = 0; r < kRepeats; ++r) {
-            const double t = time_decode_locked(model, batch, context, n);
+            const double t = time_decode_locked(model, batch, context, n, r > 0);
             best = r == 0 ? t : std::min(best, t);
         }
         return best;

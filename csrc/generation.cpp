@@ -1,6 +1,7 @@
 #include "generation.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <utility>
 
 #include "errors.h"
@@ -359,8 +360,11 @@ void Generation::apply_repeat_penalty(float* logits) {
         auto& stamp = repeat_stamp_[static_cast<size_t>(t)];
         if (stamp == call) continue;
         stamp = call;
+        // Clamped: an extreme penalty must leave finite logits (an infinite one would make the
+        // row's distribution NaN).
         float& logit = logits[t];
-        logit = logit > 0.0f ? logit / req_.repeat_penalty : logit * req_.repeat_penalty;
+        logit = logit > 0.0f ? std::min(logit / req_.repeat_penalty, FLT_MAX)
+                             : std::max(logit * req_.repeat_penalty, -FLT_MAX);
     }
 }
 

@@ -8,15 +8,16 @@ path, makes the loader resolve our soname to it, and llama_cpp's later load to t
 
 Both load libllama into the process's global scope, with its GPU backend. A CUDA build's
 libggml-cuda exports its own copies of C++ standard-library templates (std::ostream's number
-output among them); where the C++ runtime was loaded before, privately (numpy loads it), libllama
+output among them); where the C++ runtime was loaded before, privately (numpy, imported first, loads it), libllama
 would bind to those copies while the runtime uses its own, and crash printing a number while
-loading a model. The runtime is made global first, so that every library binds to its copies.
+loading a model. Such a runtime is made global first, so that every library binds to its copies.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -30,12 +31,14 @@ def libllama_path() -> Path:
 
 
 def load_cxx_runtime_globally() -> None:
+    """Makes a C++ runtime that is already loaded privately global; loads none itself (libllama
+    brings the one its own search path finds)."""
     if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except OSError:
-        pass  # no GNU C++ runtime to load (another C library or C++ runtime): nothing to order
+        pass  # not loaded yet: nothing to order
 
 
 def load_shared_libllama() -> None:

@@ -69,7 +69,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "xtc_probability": _used_unless(_at_most(0)),
     "dry_multiplier": _used_unless(_at_most(0)),
     "n_probs": _used_unless(_at_most(0)),
-    "min_keep": _used_unless(_at_most(0)),
+    "min_keep": _used_unless(_at_most(1)),  # a sampler always keeps one token
     "ignore_eos": _used_unless(lambda v: v is False),
     "grammar_lazy": _used_unless(lambda v: v is False),
     "lora": _used_unless(lambda v: v == []),
@@ -162,7 +162,9 @@ class _Generation(_Body):
     n_predict: Optional[int] = Field(
         None, ge=-1, le=MAX_INT, description="llama-server's max_tokens; -1: no limit"
     )
-    temperature: Optional[float] = Field(None, ge=0.0, le=100.0, description="default 1")
+    temperature: Optional[float] = Field(
+        None, ge=0.0, le=100.0, description="default: the server's (1 unless serve --temp)"
+    )
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0, le=MAX_INT)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
@@ -195,7 +197,11 @@ class _Generation(_Body):
         "included) divided by this where positive, multiplied where negative; 1: off",
     )
     repeat_last_n: Optional[int] = Field(
-        None, ge=-1, le=MAX_INT, description="llama-server's: 64 unless given; -1: all, 0: none"
+        None,
+        ge=-1,
+        le=MAX_INT,
+        description="llama-server's: default the server's (64 unless serve --repeat-last-n); "
+        "-1: all, 0: none",
     )
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
@@ -311,7 +317,8 @@ class _Generation(_Body):
 
     @property
     def token_limit(self) -> int | None:
-        for limit in (self.max_tokens, self.max_completion_tokens, self.n_predict):
+        # llama-server's n_predict wins over max_tokens, as there.
+        for limit in (self.n_predict, self.max_tokens, self.max_completion_tokens):
             if limit is not None:
                 return None if limit == -1 else limit
         return None

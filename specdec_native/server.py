@@ -63,14 +63,14 @@ class SamplingDefaults:
     """What a request that leaves a sampling field out gets: OpenAI's defaults, unless the
     operator set others (`serve --temp`, `--repeat-penalty`, ... as llama-server takes them)."""
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    temperature: float = 1.0  # OpenAI's; the Python API's is greedy
+    top_k: int = GenerationSettings.top_k
+    top_p: float = GenerationSettings.top_p
+    min_p: float = GenerationSettings.min_p
+    presence_penalty: float = GenerationSettings.presence_penalty
+    frequency_penalty: float = GenerationSettings.frequency_penalty
+    repeat_penalty: float = GenerationSettings.repeat_penalty
+    repeat_last_n: int = GenerationSettings.repeat_last_n
 
 
 @dataclass(frozen=True)
