@@ -996,14 +996,14 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
     # What llama.cpp's web UI sends with every request: each sampler set to off.
     off: dict[str, Any] = {
         "typical_p": 1, "mirostat": 0, "dynatemp_range": 0, "top_n_sigma": -1,
-        "xtc_probability": 0, "dry_multiplier": 0, "n_probs": 0, "min_keep": 0,
+        "xtc_probability": 0, "dry_multiplier": 0, "n_probs": 0, "min_keep": 1,
         "ignore_eos": False, "grammar_lazy": False, "lora": [], "samplers": "edkypmxt",
     }  # fmt: skip
     assert post(**off).status_code == 200
-    # llama-server's n_predict is max_tokens; -1 is no limit.
+    # llama-server's n_predict is max_tokens, and wins over it there; -1 is no limit.
     r = httpx.post(
         chat_server.url + "/v1/completions",
-        json={"prompt": "Colours:", "n_predict": 2, "temperature": 0},
+        json={"prompt": "Colours:", "n_predict": 2, "max_tokens": 5, "temperature": 0},
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
