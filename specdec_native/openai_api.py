@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 from pydantic import (
     BaseModel,
@@ -448,6 +448,37 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
+class TokenizeRequest(_Body):
+    """llama-server's /tokenize: text to the target's token ids."""
+
+    content: str
+    add_special: bool = Field(False, description="add the model's own start tokens (BOS)")
+    parse_special: bool = Field(True, description="read special tokens' text as those tokens")
+    with_pieces: bool = Field(False, description="each id with its text (or bytes, if not UTF-8)")
+
+
+class DetokenizeRequest(_Body):
+    """llama-server's /detokenize: token ids to text."""
+
+    tokens: list[int]
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def validated(body: Any, model: type[Body]) -> Body:
+    """`body` as `model`; the first problem found as a BodyError."""
+    if not isinstance(body, dict):
+        raise BodyError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        error = e.errors(include_url=False, include_input=False)[0]
+        param = _field_path(error["loc"])
+        msg = str(error["msg"]).removeprefix("Value error, ")
+        raise BodyError(f"'{param}': {msg}", param=param.split(".")[0].split("[")[0]) from None
+
+
 def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionRequest:
     """The body validated as `chat` says; the first problem found as a BodyError."""
     if not isinstance(body, dict):
@@ -457,14 +488,10 @@ def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionReque
             raise BodyError(f"'{name}' is not supported by this server", param=name)
     if body.get("n") not in (None, 1) and type(body.get("n")) is int:
         raise BodyError("'n' > 1 is not supported: send one request per choice", param="n")
-    model = ChatCompletionRequest if chat else CompletionRequest
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        error = e.errors(include_url=False, include_input=False)[0]
-        param = _field_path(error["loc"])
-        msg = str(error["msg"]).removeprefix("Value error, ")
-        raise BodyError(f"'{param}': {msg}", param=param.split(".")[0].split("[")[0]) from None
+    model: type[ChatCompletionRequest | CompletionRequest] = (
+        ChatCompletionRequest if chat else CompletionRequest
+    )
+    return validated(body, model)
 
 
 def openapi_body(model: type[BaseModel]) -> dict[str, Any]:

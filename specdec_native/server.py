@@ -43,10 +43,13 @@ from specdec_native.openai_api import (
     BodyError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     components_of,
     openapi_body,
     parse_body,
     read_json,
+    validated,
 )
 from specdec_native.tools import GENERIC, Streamed, ToolFormat
 
@@ -297,6 +300,14 @@ def _job(
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, generation, body.stream, include_usage, tools)
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """A token's text as llama-server gives it: a string, or its bytes where not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
 
 
 def _refusal(e: BaseException) -> RequestError:
@@ -621,6 +632,28 @@ class Server:
         self.metrics.running.set(running)
         self.metrics.waiting.set(self.admitted - running)
 
+    # -- the vocabulary (llama-server's /tokenize and /detokenize) --------------------------------
+
+    async def vocab_call(
+        self, request: Request, work: Callable[[SpeculativeDecoder, Any], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """`work` on the decoder and the body, off the event loop, once the caller may use it
+        (no slot: these never decode)."""
+        self.check_auth(request)
+        raw = await _read_body(request)
+        if self.draining:
+            raise _shutting_down()
+        decoder = self.decoder
+        if not self.ready or decoder is None:
+            raise RequestError(
+                503, "the model is still loading", kind="server_error", headers={"Retry-After": "5"}
+            )
+        try:
+            body = read_json(raw)
+            return await asyncio.get_running_loop().run_in_executor(None, work, decoder, body)
+        except Exception as e:
+            raise _refusal(e) from None
+
     # -- requests ------------------------------------------------------------------------------
 
     async def handle(self, request: Request, chat: bool) -> Response:
@@ -921,6 +954,27 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        def work(decoder: SpeculativeDecoder, body: Any) -> dict[str, Any]:
+            ask = validated(body, TokenizeRequest)
+            ids = decoder.tokenize(
+                ask.content, add_special=ask.add_special, parse_special=ask.parse_special
+            )
+            if not ask.with_pieces:
+                return {"tokens": ids}
+            pieces = decoder.token_bytes(ids)
+            return {"tokens": [{"id": i, "piece": _piece(b)} for i, b in zip(ids, pieces)]}
+
+        return JSONResponse(await server.vocab_call(request, work))
+
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> Response:
+        def work(decoder: SpeculativeDecoder, body: Any) -> dict[str, Any]:
+            return {"content": decoder.detokenize(validated(body, DetokenizeRequest).tokens)}
+
+        return JSONResponse(await server.vocab_call(request, work))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

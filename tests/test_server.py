@@ -354,7 +354,9 @@ def test_a_client_that_goes_away_frees_the_server(chat_server: Server) -> None:
     assert after["timings"]["queue_ms"] < 2000 and time.monotonic() - start < 10
 
 
-def test_an_api_key_guards_v1_but_not_health_or_metrics(tiny_pair: models.ModelPair) -> None:
+def test_an_api_key_guards_v1_and_the_vocabulary_but_not_health_or_metrics(
+    tiny_pair: models.ModelPair,
+) -> None:
     server = start(tiny_pair.target, "--api-key", "sekret", "-t", "1")
     try:
         body = {"prompt": [1, 300], "max_tokens": 2}
@@ -365,6 +367,10 @@ def test_an_api_key_guards_v1_but_not_health_or_metrics(tiny_pair: models.ModelP
         good = httpx.post(url, json=body, headers={"Authorization": "Bearer sekret"})
         assert good.status_code == 200
         assert httpx.get(server.url + "/v1/models").status_code == 401
+        for path, vocab_body in [("/tokenize", {"content": "a"}), ("/detokenize", {"tokens": [1]})]:
+            assert httpx.post(server.url + path, json=vocab_body).status_code == 401
+            key = {"Authorization": "Bearer sekret"}
+            assert httpx.post(server.url + path, json=vocab_body, headers=key).status_code == 200
         assert httpx.get(server.url + "/health").status_code == 200
         assert httpx.get(server.url + "/metrics").status_code == 200
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="sekret", max_retries=0)
@@ -1007,6 +1013,28 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_tokenize_and_detokenize_as_llama_server(chat_server: Server) -> None:
+    def post(path: str, body: object) -> httpx.Response:
+        return httpx.post(chat_server.url + path, json=body, timeout=60)
+
+    ids = post("/tokenize", {"content": "Hello world"}).json()["tokens"]
+    assert ids and all(isinstance(i, int) for i in ids)
+    with_bos = post("/tokenize", {"content": "Hello world", "add_special": True}).json()["tokens"]
+    assert len(with_bos) >= len(ids) and with_bos[-len(ids) :] == ids
+    pieces = post("/tokenize", {"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids and "".join(p["piece"] for p in pieces) == "Hello world"
+    assert post("/detokenize", {"tokens": ids}).json() == {"content": "Hello world"}
+    for path, bad in [
+        ("/tokenize", {}), ("/tokenize", {"content": 5}), ("/tokenize", [1]),
+        ("/detokenize", {"tokens": [10**6]}), ("/detokenize", {"tokens": [-1]}),
+        ("/detokenize", {"tokens": "1 2"}), ("/detokenize", {"tokens": [1.5]}),
+    ]:  # fmt: skip
+        r = post(path, bad)
+        assert r.status_code == 400 and r.json()["error"]["message"], (path, bad, r.text)
+    r = httpx.post(chat_server.url + "/tokenize", content=b"{not json", timeout=60)
+    assert r.status_code == 400, r.text
 
 
 def test_penalties_and_logit_bias(
