@@ -361,20 +361,35 @@ PYBIND11_MODULE(_core, m) {
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
         .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
+        // The vocabulary is read-only once loaded, and a long text takes a while: these let
+        // other threads (the scheduler's callbacks, a server's event loop) run meanwhile.
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {
+                 py::gil_scoped_release unlocked;
                  return e.target().tokenize(text, add_special, parse_special);
              })
         .def("token_bytes",
              [](const Engine& e, const std::vector<int32_t>& tokens) {
-                 e.check_tokens(tokens);
+                 std::vector<std::string> pieces;
+                 {
+                     py::gil_scoped_release unlocked;
+                     e.check_tokens(tokens);
+                     pieces.reserve(tokens.size());
+                     for (int32_t t : tokens) pieces.push_back(e.target().token_piece(t));
+                 }
                  std::vector<py::bytes> out;
-                 for (int32_t t : tokens) out.emplace_back(e.target().token_piece(t));
+                 out.reserve(pieces.size());
+                 for (const auto& piece : pieces) out.emplace_back(piece);
                  return out;
              })
         .def("detokenize",
              [](const Engine& e, const std::vector<int32_t>& tokens) {
-                 return to_str(e.target().detokenize(tokens));
+                 std::string text;
+                 {
+                     py::gil_scoped_release unlocked;
+                     text = e.target().detokenize(tokens);
+                 }
+                 return to_str(text);
              })
         .def(
             "apply_chat_template",

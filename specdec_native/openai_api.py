@@ -451,7 +451,7 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 class TokenizeRequest(_Body):
     """llama-server's /tokenize: text to the target's token ids."""
 
-    content: str
+    content: str = ""  # llama-server's: none is no tokens
     add_special: bool = Field(False, description="add the model's own start tokens (BOS)")
     parse_special: bool = Field(True, description="read special tokens' text as those tokens")
     with_pieces: bool = Field(False, description="each id with its text (or bytes, if not UTF-8)")
@@ -460,7 +460,7 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     """llama-server's /detokenize: token ids to text."""
 
-    tokens: list[int]
+    tokens: list[int] = []  # llama-server's: none is no text
 
 
 Body = TypeVar("Body", bound=BaseModel)

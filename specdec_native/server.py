@@ -33,6 +33,7 @@ from sse_starlette.sse import EventSourceResponse
 from specdec_native import _core
 from specdec_native.decoder import (
     AUTO,
+    EngineClosedError,
     GenerationResult,
     GenerationSettings,
     SpeculativeDecoder,
@@ -59,6 +60,10 @@ log = logging.getLogger("specdec.server")
 # into the warm-up, whichever is first: on a busy machine a warm-up can take minutes, and a
 # readiness probe must not give up on a server that works (requests wait for the warm-up).
 WARM_UP_BOUND = 20.0
+# /tokenize and /detokenize: threads of their own, and calls admitted at once (more get a 503,
+# as requests past the queue do: each holds its body, up to MAX_BODY_BYTES).
+VOCAB_THREADS = 2
+VOCAB_CALLS_ADMITTED = 16
 
 
 @dataclass(frozen=True)
@@ -316,6 +321,8 @@ def _refusal(e: BaseException) -> RequestError:
         return e
     if isinstance(e, BodyError):
         return RequestError(e.status, e.message, param=e.param)
+    if isinstance(e, EngineClosedError):  # the server closed it while the call waited
+        return _shutting_down()
     if isinstance(e, _core.ContextOverflowError):
         return RequestError(400, str(e), code="context_length_exceeded")
     if isinstance(e, (ValueError, TypeError)):
@@ -494,6 +501,9 @@ class Server:
         self.admitted = 0  # requests past admission: parsing, waiting for a slot or running
         self.runs: set[Run] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
+        # /tokenize and /detokenize: their own threads, so that they never hold up a request's.
+        self.vocab_pool = ThreadPoolExecutor(VOCAB_THREADS, thread_name_prefix="vocab")
+        self.vocab_calls = 0  # admitted: waiting for a vocabulary thread or running
 
     async def start(self) -> None:
         """Loads the models and warms up (costs calibrated, one tiny generation), off the event
@@ -560,6 +570,7 @@ class Server:
             log.info("warm-up done")
 
     def close(self) -> None:
+        self.vocab_pool.shutdown(wait=False, cancel_futures=True)
         if self.decoder is not None:
             # The save waits for no request to be running: those still running are cut first.
             self._cut_running()
@@ -636,23 +647,44 @@ class Server:
 
     async def vocab_call(
         self, request: Request, work: Callable[[SpeculativeDecoder, Any], dict[str, Any]]
-    ) -> dict[str, Any]:
-        """`work` on the decoder and the body, off the event loop, once the caller may use it
-        (no slot: these never decode)."""
-        self.check_auth(request)
-        raw = await _read_body(request)
-        if self.draining:
-            raise _shutting_down()
-        decoder = self.decoder
-        if not self.ready or decoder is None:
-            raise RequestError(
-                503, "the model is still loading", kind="server_error", headers={"Retry-After": "5"}
-            )
+    ) -> Response:
+        """`work` on the decoder and the body, on the vocabulary's own threads (no slot: these
+        never decode), once the caller may use it; its answer encoded there too."""
+        rid = "vocab-" + uuid.uuid4().hex
         try:
-            body = read_json(raw)
-            return await asyncio.get_running_loop().run_in_executor(None, work, decoder, body)
+            self.check_auth(request)
+            raw = await _read_body(request)
+            if self.draining:
+                raise _shutting_down()
+            decoder = self.decoder
+            if not self.ready or decoder is None:
+                raise RequestError(
+                    503,
+                    "the model is still loading",
+                    kind="server_error",
+                    headers={"Retry-After": "5"},
+                )
+            if self.vocab_calls >= VOCAB_CALLS_ADMITTED:
+                raise RequestError(
+                    503,
+                    "the server is at capacity; try again shortly",
+                    kind="server_error",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
+        except RequestError as e:
+            return self._refuse(rid, e)
+        self.vocab_calls += 1
+        try:
+            loop = asyncio.get_running_loop()
+            body = await loop.run_in_executor(
+                self.vocab_pool, lambda: json.dumps(work(decoder, read_json(raw))).encode()
+            )
         except Exception as e:
-            raise _refusal(e) from None
+            return self._refuse(rid, _refusal(e))
+        finally:
+            self.vocab_calls -= 1
+        return Response(body, media_type="application/json")
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -967,14 +999,14 @@ def create_app(
             pieces = decoder.token_bytes(ids)
             return {"tokens": [{"id": i, "piece": _piece(b)} for i, b in zip(ids, pieces)]}
 
-        return JSONResponse(await server.vocab_call(request, work))
+        return await server.vocab_call(request, work)
 
     @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         def work(decoder: SpeculativeDecoder, body: Any) -> dict[str, Any]:
             return {"content": decoder.detokenize(validated(body, DetokenizeRequest).tokens)}
 
-        return JSONResponse(await server.vocab_call(request, work))
+        return await server.vocab_call(request, work)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:

@@ -1015,26 +1015,48 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
-def test_tokenize_and_detokenize_as_llama_server(chat_server: Server) -> None:
+def test_tokenize_and_detokenize_as_llama_server(chat_server: Server, smollm2_q40: Path) -> None:
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(smollm2_q40), vocab_only=True, verbose=False)
+
     def post(path: str, body: object) -> httpx.Response:
         return httpx.post(chat_server.url + path, json=body, timeout=60)
 
-    ids = post("/tokenize", {"content": "Hello world"}).json()["tokens"]
-    assert ids and all(isinstance(i, int) for i in ids)
-    with_bos = post("/tokenize", {"content": "Hello world", "add_special": True}).json()["tokens"]
-    assert len(with_bos) >= len(ids) and with_bos[-len(ids) :] == ids
-    pieces = post("/tokenize", {"content": "Hello world", "with_pieces": True}).json()["tokens"]
-    assert [p["id"] for p in pieces] == ids and "".join(p["piece"] for p in pieces) == "Hello world"
-    assert post("/detokenize", {"tokens": ids}).json() == {"content": "Hello world"}
+    def tokens(**body: object) -> list[Any]:
+        r = post("/tokenize", body)
+        assert r.status_code == 200, r.text
+        return list(r.json()["tokens"])
+
+    text = "Hello world<|im_end|>"
+    ids = tokens(content=text)  # llama-server's defaults: no BOS, special tokens read as such
+    assert ids == vocab.tokenize(text.encode(), add_bos=False, special=True)
+    assert tokens(content=text, add_special=True) == vocab.tokenize(
+        text.encode(), add_bos=True, special=True
+    )
+    assert len(tokens(content=text, parse_special=False)) > len(ids)
+    assert tokens() == [] and post("/detokenize", {}).json() == {"content": ""}
+    # Each piece a string, or its bytes where it is no whole UTF-8 character.
+    emoji = "héllo 👋"
+    pieces = tokens(content=emoji, with_pieces=True)
+    assert [p["id"] for p in pieces] == tokens(content=emoji)
+    assert any(isinstance(p["piece"], list) for p in pieces)
+    joined = b"".join(
+        bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces
+    )
+    assert joined == emoji.encode()
+    assert post("/detokenize", {"tokens": ids}).json() == {"content": text}
     for path, bad in [
-        ("/tokenize", {}), ("/tokenize", {"content": 5}), ("/tokenize", [1]),
+        ("/tokenize", {"content": 5}), ("/tokenize", [1]),
         ("/detokenize", {"tokens": [10**6]}), ("/detokenize", {"tokens": [-1]}),
         ("/detokenize", {"tokens": "1 2"}), ("/detokenize", {"tokens": [1.5]}),
+        ("/detokenize", {"tokens": [True]}),
     ]:  # fmt: skip
         r = post(path, bad)
         assert r.status_code == 400 and r.json()["error"]["message"], (path, bad, r.text)
-    r = httpx.post(chat_server.url + "/tokenize", content=b"{not json", timeout=60)
-    assert r.status_code == 400, r.text
+    for raw in (b"{not json", b'{"content": "\\ud800"}'):  # the second: a lone surrogate
+        r = httpx.post(chat_server.url + "/tokenize", content=raw, timeout=60)
+        assert r.status_code == 400, (raw, r.text)
 
 
 def test_penalties_and_logit_bias(
