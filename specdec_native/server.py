@@ -617,22 +617,21 @@ class Server:
             )
 
     def admit(self) -> None:
+        self.open_decoder()
+        if self.admitted >= self.settings.n_parallel + self.settings.max_queue:
+            raise _at_capacity()
+        self.admitted += 1
+        self._update_gauges()
+
+    def open_decoder(self) -> SpeculativeDecoder:
+        """The decoder, once new work may use it (a 503 while the server drains or loads)."""
         if self.draining:
             raise _shutting_down()
         if not self.ready or self.decoder is None:
             raise RequestError(
                 503, "the model is still loading", kind="server_error", headers={"Retry-After": "5"}
             )
-        if self.admitted >= self.settings.n_parallel + self.settings.max_queue:
-            raise RequestError(
-                503,
-                "the server is at capacity; try again shortly",
-                kind="server_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
-        self.admitted += 1
-        self._update_gauges()
+        return self.decoder
 
     def release(self) -> None:
         self.admitted -= 1
@@ -654,24 +653,9 @@ class Server:
         try:
             self.check_auth(request)
             raw = await _read_body(request)
-            if self.draining:
-                raise _shutting_down()
-            decoder = self.decoder
-            if not self.ready or decoder is None:
-                raise RequestError(
-                    503,
-                    "the model is still loading",
-                    kind="server_error",
-                    headers={"Retry-After": "5"},
-                )
+            decoder = self.open_decoder()
             if self.vocab_calls >= VOCAB_CALLS_ADMITTED:
-                raise RequestError(
-                    503,
-                    "the server is at capacity; try again shortly",
-                    kind="server_error",
-                    code="queue_full",
-                    headers={"Retry-After": "1"},
-                )
+                raise _at_capacity()
         except RequestError as e:
             return self._refuse(rid, e)
         self.vocab_calls += 1
@@ -890,6 +874,16 @@ class Server:
             yield "[DONE]"
         finally:
             run.cancel("disconnect")  # no effect once the run has ended
+
+
+def _at_capacity() -> RequestError:
+    return RequestError(
+        503,
+        "the server is at capacity; try again shortly",
+        kind="server_error",
+        code="queue_full",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _shutting_down() -> RequestError:
