@@ -65,6 +65,12 @@ void bind_testing(py::module_ m) {
         "set_stale_penalties", [](bool on) { stale_penalties_for_tests.store(on); }, py::arg("on"),
         "Test builds only: penalties that miss the step's own verdicts.");
     m.def(
+        "set_gpu_timing", [](bool on) { gpu_timing_for_tests.store(on); }, py::arg("on"),
+        "Test builds only: time decodes as on a GPU (each shape after two untimed decodes).");
+    m.def(
+        "decodes", []() { return decodes_for_tests.load(); },
+        "Test builds only: llama_decode calls the engines have made so far.");
+    m.def(
         "set_wrong_residual", [](bool on) { wrong_residual_for_tests.store(on); }, py::arg("on"),
         "While on, a rejected draft resamples from p instead of norm(max(0, p - q)): a wrong "
         "rule, for the distribution tests to show that they catch it.");

@@ -8,6 +8,10 @@
 #include "errors.h"
 
 namespace specdec {
+#ifdef SPECDEC_TEST_HOOKS
+std::atomic<bool> gpu_timing_for_tests{false};
+std::atomic<long> decodes_for_tests{0};
+#endif
 namespace {
 
 // Calibration: at least, at most this many sweeps over the batch sizes; more are taken while
@@ -34,6 +38,9 @@ void Engine::decode(Model& model, const Batch& batch) {
     if (stop_requested()) throw Cancelled("generation cancelled");
     if (job_deadline_ && Clock::now() >= *job_deadline_)
         throw TimedOut("the request's deadline passed");
+#ifdef SPECDEC_TEST_HOOKS
+    ++decodes_for_tests;
+#endif
     const int32_t rc = llama_decode(model.ctx(), batch.get());
     if (rc == 0) {
         // On a GPU llama_decode returns once the work is queued; every timing of a decode (the
@@ -96,7 +103,11 @@ double Engine::time_decode_locked(Model& model, Batch& batch,
     // llama.cpp's CUDA backend replays a decode as a captured graph only from the third decode
     // of the same shape in a row, and a small batch runs much faster so; a step repeats its
     // shapes, so on a GPU each is timed as the steps will see it, after two decodes of it.
-    const int untimed = model.offloaded() && !warm ? kGraphWarmupDecodes : 0;
+    bool on_gpu = model.offloaded();
+#ifdef SPECDEC_TEST_HOOKS
+    on_gpu = on_gpu || gpu_timing_for_tests.load();
+#endif
+    const int untimed = on_gpu && !warm ? kGraphWarmupDecodes : 0;
     double seconds = 0.0;
     for (int i = 0; i <= untimed; ++i) {
         const auto start = Clock::now();

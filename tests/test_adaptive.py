@@ -14,6 +14,7 @@ from helpers import assert_same_or_near_tie, assert_stats_add_up
 
 import specdec_native as sd
 from specdec_native import models
+from specdec_native._core import testing
 
 
 def test_auto_is_lossless_and_reports_its_choices(deep_decoder: sd.SpeculativeDecoder) -> None:
@@ -242,3 +243,25 @@ def test_a_stored_cost_curve_the_steps_contradict_is_measured_again(
     with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=512) as dec:
         again = dec.generate(PROMPTS[0], 48)
         assert not again.stats.recalibrated and dec.policy_state()["calibration"] == "cache"
+
+
+def test_on_a_gpu_each_shape_is_timed_after_two_decodes_of_it(
+    tiny_decoder: sd.SpeculativeDecoder,
+) -> None:
+    # llama.cpp's CUDA graphs replay a shape from its third decode in a row; the test hook times
+    # as on a GPU, so that the CPU runs (and the sanitizer build checks) what only a GPU would.
+    def decodes_of(draft: bool = False) -> tuple[int, list[float]]:
+        before = testing.decodes()
+        costs = tiny_decoder.measure_decode_cost("the", 4, repeats=1, draft=draft)
+        return testing.decodes() - before, costs
+
+    plain, _ = decodes_of()
+    testing.set_gpu_timing(True)
+    try:
+        primed, costs = decodes_of()
+        primed_draft, _ = decodes_of(draft=True)
+    finally:
+        testing.set_gpu_timing(False)
+    assert primed - plain == 2 * 4  # two untimed decodes before each of the 4 timed shapes
+    assert primed_draft == primed
+    assert len(costs) == 4 and all(c > 0 for c in costs)
