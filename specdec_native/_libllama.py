@@ -8,9 +8,10 @@ path, makes the loader resolve our soname to it, and llama_cpp's later load to t
 
 Both load libllama into the process's global scope, with its GPU backend. A CUDA build's
 libggml-cuda exports its own copies of C++ standard-library templates (std::ostream's number
-output among them); where the C++ runtime was loaded before, privately (numpy, imported first, loads it), libllama
-would bind to those copies while the runtime uses its own, and crash printing a number while
-loading a model. Such a runtime is made global first, so that every library binds to its copies.
+output among them); where the C++ runtime was loaded before, privately (numpy, imported first,
+loads it), libllama would bind to those copies while the runtime uses its own, and crash printing
+a number while loading a model. Such a runtime is made global first, so that every library binds
+to its copies.
 """
 
 from __future__ import annotations

@@ -481,29 +481,26 @@ def test_a_chat_template_for_a_model_without_one(gemma3: Path) -> None:
     assert answered.json()["usage"]["prompt_tokens"] > 6  # the turn markers are there
 
 
+def serve_refusal(*options: str) -> str:
+    """`serve` with bad options: it exits 1 with no traceback; its last line, the error."""
+    r = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve", *options, "--port", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    return r.stderr.strip().splitlines()[-1]
+
+
 def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}")
     for value in ("no-such-template", str(bad)):
-        r = subprocess.run(
-            [sys.executable, "-m", "cli.main", "serve", "--chat-template", value, "--port", "1"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert r.returncode == 1 and "Traceback" not in r.stderr
-        assert "chat template" in r.stderr.strip().splitlines()[-1]
+        assert "chat template" in serve_refusal("--chat-template", value)
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "1e9", "0.00001"])
 def test_a_bad_index_size_is_one_line(value: str) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "cli.main", "serve", "--ngram-index-mb", value, "--port", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "--ngram-index-mb" in r.stderr.strip().splitlines()[-1]
+    assert "--ngram-index-mb" in serve_refusal("--ngram-index-mb", value)
 
 
 @pytest.mark.parametrize(
@@ -518,12 +515,7 @@ def test_a_bad_index_size_is_one_line(value: str) -> None:
 def test_bad_sampling_defaults_are_one_line_before_loading(
     option: tuple[str, str], message: str
 ) -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "cli.main", "serve", *option, "--port", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert message in r.stderr.strip().splitlines()[-1]
+    assert message in serve_refusal(*option)
 
 
 def test_sampling_defaults_apply_to_requests_that_leave_them_out(smollm2_q40: Path) -> None:
