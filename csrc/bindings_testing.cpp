@@ -66,7 +66,8 @@ void bind_testing(py::module_ m) {
         "Test builds only: penalties that miss the step's own verdicts.");
     m.def(
         "set_gpu_timing", [](bool on) { gpu_timing_for_tests.store(on); }, py::arg("on"),
-        "Test builds only: time decodes as on a GPU (each shape after two untimed decodes).");
+        "Test builds only: treat decodes as a GPU's (each shape timed after two untimed decodes; "
+        "no recalibration after a request).");
     m.def(
         "decodes", []() { return decodes_for_tests.load(); },
         "Test builds only: llama_decode calls the engines have made so far.");

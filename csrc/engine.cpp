@@ -627,6 +627,10 @@ void Engine::retire(int seq, std::exception_ptr error) {
 
 bool Engine::recalibration_due(const Generation& g) {
     if (!g.ended_normally()) return false;
+    // On a GPU a step's decode and a calibration's differ by design, not because the costs went
+    // stale: a step whose K changed runs without a CUDA graph. Measuring again would disagree as
+    // much, and takes seconds; the steps' own timings move the costs there (AdaptivePolicy).
+    if (times_as_on_a_gpu(*target_)) return false;
     const auto verdict = g.policy().cost_verdict();
     if (verdict == AdaptivePolicy::CostVerdict::kAgree) recalibrations_in_a_row_ = 0;
     if (verdict != AdaptivePolicy::CostVerdict::kDisagree) return false;

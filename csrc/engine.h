@@ -214,6 +214,9 @@ class Engine {
     // The costs of batches larger than one sequence's steps, for plan_ks.
     BatchCosts measure_batch_costs(const std::vector<llama_token>& context, const CostCurve& curve,
                                    Batch& batch);
+    // Whether `model`'s decodes time as on a GPU: a shape runs much faster from its third decode
+    // in a row (llama.cpp's CUDA graphs) than alone.
+    static bool times_as_on_a_gpu(const Model& model);
     // Seconds for one decode of n tokens after `context`, which `model` holds; forgotten after.
     // `warm`: the decode just before was of the same shape (a GPU's graph needs no warm-up).
     double time_decode_locked(Model& model, Batch& batch, const std::vector<llama_token>& context,

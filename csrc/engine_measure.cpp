@@ -94,6 +94,13 @@ std::vector<double> Engine::measure_decode_cost_locked(const std::vector<llama_t
     return costs;
 }
 
+bool Engine::times_as_on_a_gpu(const Model& model) {
+#ifdef SPECDEC_TEST_HOOKS
+    if (gpu_timing_for_tests.load()) return true;
+#endif
+    return model.offloaded();
+}
+
 double Engine::time_decode_locked(Model& model, Batch& batch,
                                   const std::vector<llama_token>& context, int n, bool warm) {
     const auto pos = static_cast<llama_pos>(context.size());
@@ -103,11 +110,7 @@ double Engine::time_decode_locked(Model& model, Batch& batch,
     // llama.cpp's CUDA backend replays a decode as a captured graph only from the third decode
     // of the same shape in a row, and a small batch runs much faster so; a step repeats its
     // shapes, so on a GPU each is timed as the steps will see it, after two decodes of it.
-    bool on_gpu = model.offloaded();
-#ifdef SPECDEC_TEST_HOOKS
-    on_gpu = on_gpu || gpu_timing_for_tests.load();
-#endif
-    const int untimed = on_gpu && !warm ? kGraphWarmupDecodes : 0;
+    const int untimed = times_as_on_a_gpu(model) && !warm ? kGraphWarmupDecodes : 0;
     double seconds = 0.0;
     for (int i = 0; i <= untimed; ++i) {
         const auto start = Clock::now();

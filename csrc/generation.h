@@ -93,8 +93,9 @@ extern std::atomic<bool> wrong_residual_for_tests;
 // Test builds only: penalties count committed tokens alone, not the verdicts of the step so far
 // (the bug the penalty distribution test must catch).
 extern std::atomic<bool> stale_penalties_for_tests;
-// Test builds only: time decodes as on a GPU (each shape after two untimed decodes of it), and
-// the decodes made so far, so that a CPU test can run and count what only a GPU would.
+// Test builds only: treat decodes as a GPU's (each shape timed after two untimed decodes of it;
+// no recalibration after a request), and count the decodes made so far, so that a CPU test can
+// run and count what only a GPU would.
 extern std::atomic<bool> gpu_timing_for_tests;
 extern std::atomic<long> decodes_for_tests;
 #endif
