@@ -15,11 +15,15 @@ from specdec_native import models
 # verification and one-token decoding use different kernels and accumulate different rounding
 # in the KV cache (measured on Gemma 3 Q4_K_M: the two reads of one position differ by up to 0.3).
 NEAR_TIE_GAP = 0.35
-# The same where other requests' rows share the decode: a decode of 100+ rows takes other matrix
-# kernels than one of a few, and rounding moves further (measured on the deep pair: one position
-# read 0.36 alone and 0.07-0.24 in a shared batch, from run to run). Still far below the median
-# decision margin (1.3-2.0, see test_greedy_identity).
+# The same for a verify of many rows (a long copy): a decode of 100+ rows takes other matrix
+# kernels than one of a few, and rounding moves further.
 BATCHED_NEAR_TIE_GAP = 0.5
+# Where other requests' rows share the decode, how far rounding moves depends on which rows those
+# are. Measured on the deep pair, 4 streams started at random offsets, every token read again in a
+# fresh one-token decode: over 11,000 positions the logit gap between two tokens moved by 0.03 at
+# the median, by more than 0.5 at 13 and by at most 0.65, whether or not one stream was cancelled.
+# Still far below the median decision margin (1.3-2.0, see test_greedy_identity).
+SHARED_DECODE_NEAR_TIE_GAP = 0.75
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -40,6 +40,28 @@ def assert_same_or_near_tie(
     )
 
 
+def assert_each_token_near_the_targets_choice(
+    target_only: sd.SpeculativeDecoder, result: sd.GenerationResult, gap: float
+) -> None:
+    """Every token of a greedy ``result`` is, given the tokens before it, the target's choice in a
+    fresh one-token decode, or within ``gap`` of it in logits (the rounding of another decode).
+
+    Unlike a comparison of two outputs, which sees only where they first differ, this reads
+    every position of the one output: a damaged cache shows wherever it moves a choice.
+    """
+    history = list(result.prompt_tokens)
+    for i, token in enumerate(result.tokens):
+        fresh = target_only.generate(history + result.tokens[:i], 1, n_draft=0, logprobs=5)
+        assert fresh.logprobs is not None
+        top = dict(fresh.logprobs[0].top)
+        best = fresh.tokens[0]
+        behind = top[best] - top[token] if token in top else float("inf")
+        assert behind < gap, (
+            f"token {i} ({token}) is {behind:.4f} below the target's choice {best} in a fresh "
+            f"decode of the same history; a rounding difference stays below {gap}"
+        )
+
+
 def assert_stats_add_up(stats: sd.Stats, n_tokens: int) -> None:
     assert 0 <= stats.n_accepted <= stats.n_drafted
     assert stats.n_generated == n_tokens

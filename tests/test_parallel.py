@@ -9,8 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import BATCHED_NEAR_TIE_GAP as NEAR_TIE_GAP
-from helpers import assert_same_or_near_tie, assert_stats_add_up
+from conftest import SHARED_DECODE_NEAR_TIE_GAP as NEAR_TIE_GAP
+from helpers import (
+    assert_each_token_near_the_targets_choice,
+    assert_same_or_near_tie,
+    assert_stats_add_up,
+)
 
 import specdec_native as sd
 from specdec_native import models
@@ -28,6 +32,14 @@ def parallel(deep_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]:
     with sd.SpeculativeDecoder(
         deep_pair.target, deep_pair.draft, n_draft=3, n_ctx=1024, n_parallel=4
     ) as dec:
+        yield dec
+
+
+@pytest.fixture(scope="module")
+def target_only(deep_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]:
+    """The target alone, one sequence: decodes no other request's rows and reads no cache that a
+    batched decode wrote."""
+    with sd.SpeculativeDecoder(deep_pair.target, n_draft=0, n_ctx=1024) as dec:
         yield dec
 
 
@@ -89,7 +101,7 @@ def test_requests_of_every_kind_share_a_step(parallel: sd.SpeculativeDecoder) ->
 
 
 def test_cancelling_one_of_four_streams_leaves_the_others_intact(
-    parallel: sd.SpeculativeDecoder,
+    parallel: sd.SpeculativeDecoder, target_only: sd.SpeculativeDecoder
 ) -> None:
     n = 48
     alone = [parallel.generate(p, n) for p in PROMPTS]
@@ -114,6 +126,7 @@ def test_cancelling_one_of_four_streams_leaves_the_others_intact(
     for i in (0, 2, 3):
         assert results[i].finish_reason == alone[i].finish_reason
         assert_same_or_near_tie(results[i], alone[i], NEAR_TIE_GAP)
+        assert_each_token_near_the_targets_choice(target_only, results[i], NEAR_TIE_GAP)
 
 
 def test_a_request_finds_its_prompt_cache_in_its_own_slot(
