@@ -69,13 +69,14 @@ def run_together(
 
 
 def test_concurrent_greedy_requests_give_what_each_gives_alone(
-    parallel: sd.SpeculativeDecoder,
+    parallel: sd.SpeculativeDecoder, target_only: sd.SpeculativeDecoder
 ) -> None:
     calls: list[dict[str, Any]] = [{"prompt": p, "max_tokens": 40} for p in PROMPTS]
     alone = [parallel.generate(**c) for c in calls]
     together = run_together(parallel, calls)
     for a, t in zip(alone, together):
         assert_same_or_near_tie(t, a, NEAR_TIE_GAP)
+        assert_each_token_near_the_targets_choice(target_only, t, NEAR_TIE_GAP)
         assert_stats_add_up(t.stats, len(t.tokens))
         assert a.stats.n_shared_steps == 0
     # They did share the target's decodes.
