@@ -38,6 +38,10 @@ void Engine::decode(Model& model, const Batch& batch) {
     if (stop_requested()) throw Cancelled("generation cancelled");
     if (job_deadline_ && Clock::now() >= *job_deadline_)
         throw TimedOut("the request's deadline passed");
+    // llama.cpp aborts the process on a decode larger than its n_batch: an engine error instead.
+    if (batch.size() > model.n_batch())
+        throw std::logic_error("a decode of " + std::to_string(batch.size()) +
+                               " rows exceeds n_batch " + std::to_string(model.n_batch()));
 #ifdef SPECDEC_TEST_HOOKS
     ++decodes_for_tests;
 #endif

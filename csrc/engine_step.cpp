@@ -39,7 +39,7 @@ void Engine::step() {
     const int row_cap = std::max(1, (n_batch - (prefilling_.empty() ? 0 : prefill_budget)) /
                                         std::max<int>(1, static_cast<int>(decoding_.size())));
     if (held_to_target_only()) {
-        for (Generation* g : decoding_) g->hold_target_only();
+        for (Generation* g : decoding_) g->hold_target_only(row_cap);
     } else {
         choose_ks(row_cap);
         if (decoding_.size() > 1) plan_ks(decoding_, prompt_rows(prefill_budget));

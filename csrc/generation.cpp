@@ -120,9 +120,11 @@ int Generation::draft_cap() const {
     return std::max(cap, 0);
 }
 
+void Generation::size_room(int row_cap) { cap_ = std::max(std::min(draft_cap(), row_cap - 1), 0); }
+
 int Generation::choose_k(int row_cap) {
-    const int cap = std::min(draft_cap(), row_cap - 1);
-    cap_ = std::max(cap, 0);
+    size_room(row_cap);
+    const int cap = cap_;
     if (!adaptive_) {
         k_ = std::max(0, std::min(n_draft_, cap));
         return k_;
@@ -139,7 +141,8 @@ int Generation::choose_k(int row_cap) {
     return k_;
 }
 
-void Generation::hold_target_only() {
+void Generation::hold_target_only(int row_cap) {
+    size_room(row_cap);  // forced tokens still fill it
     k_ = 0;
     copying_ = false;
     falling_back_ = true;

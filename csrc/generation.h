@@ -203,9 +203,10 @@ class Generation {
     // The K this step wants, at most `row_cap` - 1 (the batch's room for this sequence): fixed,
     // a copy's length, or the policy's choice.
     int choose_k(int row_cap);
-    // This step decodes the target alone: the engine measured `auto`'s steps committing
-    // tokens more slowly than target-only ones (csrc/rate_check.h).
-    void hold_target_only();
+    // This step decodes the target alone (and the tokens a grammar forces, at most `row_cap` - 1):
+    // the engine measured `auto`'s steps committing tokens more slowly than target-only ones
+    // (csrc/rate_check.h).
+    void hold_target_only(int row_cap);
     // Tokens per second the cost model expects of a target-only step (0: not calibrated).
     double modelled_target_only_rate() const;
     // The expected tokens of a step drafting k = 0..cap tokens as this step would draft them
@@ -271,6 +272,9 @@ class Generation {
   private:
     Stats& stats() { return result_.stats; }
     int draft_cap() const;
+    // Sets cap_, the most this step may draft: draft_cap() within the batch's room for this
+    // sequence.
+    void size_room(int row_cap);
     bool choose_copy(int cap);
     // The K that commits tokens fastest copying `m` under `copy` (0: target-only is faster), and
     // its expected rate.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -119,6 +120,34 @@ def test_output_cut_by_max_tokens_ends_with_length(deep: sd.SpeculativeDecoder) 
     assert out.finish_reason == "length"
     with pytest.raises(json.JSONDecodeError):
         json.loads(out.text)
+
+
+def test_forced_tokens_keep_to_the_batch_and_the_context_when_a_second_request_joins(
+    smollm2: Path,
+) -> None:
+    """A request that drafts long forced spans alone, then shares its steps: a second sequence
+    starts `auto` held to target-only, and the forced tokens must size to the step they are in
+    (the batch's room now shared, the context nearly full), not to an earlier step's."""
+    sentence = "The quick brown fox jumps over the lazy dog. "
+    with sd.SpeculativeDecoder(smollm2, "ngram", n_parallel=2, n_batch=32, n_ctx=300) as dec:
+        joined = threading.Event()
+        other: list[sd.GenerationResult] = []
+
+        def join_it() -> None:
+            if joined.wait(60):
+                other.append(dec.generate("Hi", 100))
+
+        second = threading.Thread(target=join_it)
+        second.start()
+        out = dec.generate(
+            "Say it:", 900, regex=f"({re.escape(sentence)}){{60}}", on_text=lambda _: joined.set()
+        )
+        second.join(120)
+    assert out.finish_reason == "context"
+    assert len(out.prompt_tokens) + len(out.tokens) <= 300 + 1
+    assert (sentence * 60).startswith(out.text)
+    assert out.stats.drafted_by_grammar > 0
+    assert other and other[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize(
