@@ -518,7 +518,7 @@ int Engine::pick_slot(const std::vector<llama_token>& prompt) const {
     for (size_t s = 0; s < slots_.size(); ++s) {
         if (slots_[s]) continue;
         const auto seq = static_cast<llama_seq_id>(s);
-        const size_t common = target_->common_prefix(seq, prompt);
+        const size_t common = target_->servable_prefix(seq, target_->common_prefix(seq, prompt));
         // The longest shared prefix; among equals, the slot unused the longest.
         if (best < 0 || common > best_common ||
             (common == best_common && last_used_[s] < last_used_[static_cast<size_t>(best)])) {

@@ -65,7 +65,7 @@ void Generation::begin() {
     seq_ = req_.prompt;
     // The target's cache holds all committed tokens but the last, which each step decodes
     // together with the draft.
-    prefilled_ = parts_.target.keep_common_prefix(seq_id_, seq_, seq_.size() - 1);
+    prefilled_ = parts_.target.keep_servable_prefix(seq_id_, seq_, seq_.size() - 1);
     stats().n_prompt_cached = static_cast<int>(prefilled_);
 }
 

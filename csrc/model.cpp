@@ -64,6 +64,7 @@ Model::Model(const ModelParams& params)
       held_(static_cast<size_t>(std::max(params.n_seq, 1))) {
     clear_recent_errors();
     vocab_ = llama_model_get_vocab(model_.get());
+    n_swa_ = llama_model_n_swa(model_.get());
 
     llama_context_params cparams = llama_context_default_params();
     const auto n_seq = static_cast<uint32_t>(held_.size());
@@ -208,6 +209,20 @@ size_t Model::keep_common_prefix(llama_seq_id seq, const std::vector<llama_token
     const size_t common = std::min(common_prefix(seq, tokens), limit);
     if (common < held(seq).size()) forget_from(seq, static_cast<llama_pos>(common));
     return common;
+}
+
+size_t Model::keep_servable_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens,
+                                   size_t limit) {
+    const size_t common = servable_prefix(seq, std::min(common_prefix(seq, tokens), limit));
+    if (common < held(seq).size()) forget_from(seq, static_cast<llama_pos>(common));
+    return common;
+}
+
+size_t Model::servable_prefix(llama_seq_id seq, size_t n) const {
+    if (n == 0 || n_swa_ <= 0) return n;
+    const llama_pos first = llama_memory_seq_pos_min(llama_get_memory(ctx_.get()), seq);
+    const llama_pos window_start = std::max<llama_pos>(0, static_cast<llama_pos>(n) - n_swa_);
+    return first >= 0 && first <= window_start ? n : 0;
 }
 
 void Model::forget_from(llama_seq_id seq, llama_pos pos) {

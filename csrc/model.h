@@ -80,8 +80,17 @@ class Model {
     // returns the prefix's length.
     size_t keep_common_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens,
                               size_t limit);
+    // The same, for a decode that must attend exactly as over a fresh cache (the target's): of
+    // a prefix whose attention window the cache no longer holds, nothing is kept.
+    size_t keep_servable_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens,
+                                size_t limit);
     // Length of the common prefix of `seq`'s cache and `tokens`.
     size_t common_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens) const;
+    // Of `n` cached tokens of `seq`, how many a decode can go on from: all of them, or none
+    // where a sliding-window model's cache has given away part of the window before position n
+    // (llama.cpp lets other sequences' tokens take the cells of positions outside a sequence's
+    // window, and those may be inside the window of a shorter prefix reused later).
+    size_t servable_prefix(llama_seq_id seq, size_t n) const;
     void clear_memory();  // every sequence
 
   private:
@@ -91,6 +100,7 @@ class Model {
     std::string path_;
     int n_ctx_;
     bool offloaded_;
+    int32_t n_swa_ = 0;  // the attention window of its sliding-window layers (0: none)
     std::vector<std::vector<llama_token>> held_;  // [seq]
 };
 

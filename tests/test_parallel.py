@@ -4,8 +4,10 @@ a batched decode may round differently), keep its own cancel flag, and find its 
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -142,6 +144,38 @@ def test_a_request_finds_its_prompt_cache_in_its_own_slot(
     assert cached.stats.n_prompt_cached >= len(first.prompt_tokens) - 1
     with sd.SpeculativeDecoder(parallel.target_path, parallel.draft_path, n_draft=3) as cold:
         assert_same_or_near_tie(cached, cold.generate(follow_up, 16), NEAR_TIE_GAP)
+
+
+def test_a_cached_prefix_whose_window_was_given_away_is_read_again(gemma3: Path) -> None:
+    """Gemma 3 attends over a sliding window of 512 in most layers, and llama.cpp gives the
+    cells of positions outside a sequence's window to other sequences' tokens. A later request
+    that shares only an early prefix with that sequence must not attend over the missing cells
+    (it read nothing there and answered differently from its first token)."""
+    words = "river stone market lantern harbour winter copper garden signal orchard".split()
+
+    def text(n: int, seed: int) -> str:
+        rng = random.Random(seed)
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    instructions = "Summarise the notes below in one sentence. " + text(70, 0) + "\n\n"
+    follow_up = instructions + "Notes: the keeper logged every ship that passed the cape. Summary:"
+    with sd.SpeculativeDecoder(gemma3, n_draft=0, n_ctx=2048, n_parallel=2) as dec:
+        # A short request in one slot; a long one that starts while it runs, in the other.
+        running = threading.Event()
+        short = threading.Thread(
+            target=lambda: dec.generate(text(480, 2), 30, on_text=lambda _: running.set())
+        )
+        short.start()
+        assert running.wait(120)
+        dec.generate(instructions + text(1100, 1), 4)
+        short.join(120)
+        # Into the short one's slot: more tokens than it freed, so they take the long one's
+        # cells outside its window.
+        dec.generate(text(900, 3), 4)
+        shared = dec.generate(follow_up, 24)
+    with sd.SpeculativeDecoder(gemma3, n_draft=0, n_ctx=2048) as fresh:
+        alone = fresh.generate(follow_up, 24)
+    assert_same_or_near_tie(shared, alone, NEAR_TIE_GAP)
 
 
 def test_more_requests_than_slots_wait_their_turn(deep_pair: models.ModelPair) -> None:
