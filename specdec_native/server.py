@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
+from starlette.requests import ClientDisconnect
 
 from specdec_native import _core
 from specdec_native.decoder import (
@@ -901,11 +902,14 @@ async def _read_body(request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # counted and logged as a refusal nobody reads
+        raise RequestError(499, "the client hung up while sending the body") from None
     return b"".join(chunks)
 
 

@@ -115,6 +115,23 @@ def test_crafted_bodies_get_a_400_on_a_connection_that_stays_open(
     assert "Traceback" not in server.stderr()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_client_that_hangs_up_in_its_body_is_counted_and_logged_without_a_traceback(
+    server: Server, path: str
+) -> None:
+    rejected = 'specdec:requests_rejected_total{status="499"}'
+    before = server.metrics().get(rejected, 0.0)
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            'Content-Length: 1000\r\n\r\n{"prompt": '.encode()
+        )
+    wait_for("the hang-up counted", lambda: server.metrics().get(rejected, 0.0) == before + 1)
+    assert "Traceback" not in server.stderr()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
 def test_a_streamed_prompt_over_the_context_is_a_400_before_any_stream(server: Server) -> None:
     body = {"prompt": "word " * 3000, "max_tokens": 4, "stream": True}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
