@@ -10,6 +10,7 @@ counted and logged in one place.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import hmac
 import json
@@ -792,10 +793,10 @@ class Server:
         }
 
     def _logprobs(
-        self, run: Run, entries: list[TokenLogprob] | None, offset: int = 0
+        self, run: Run, entries: list[TokenLogprob] | None, offsets: TextOffsets | None = None
     ) -> dict[str, Any] | None:
         """Tokens' logprobs in OpenAI's shape for the endpoint: a whole output's, or a streamed
-        chunk's (``offset``: where its text starts in the output)."""
+        chunk's (``offsets``: where the output's text stands after the chunks before it)."""
         if entries is None:
             return None
         assert self.decoder is not None
@@ -815,15 +816,12 @@ class Server:
                 for e in entries
             ]
             return {"content": content, "refusal": None}
-        offsets, at = [], offset
-        for e in entries:
-            offsets.append(at)
-            at += len(text(e.token))
+        at = offsets or TextOffsets()
         return {
             "tokens": [text(e.token) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets,
+            "text_offset": [at.next(pieces[e.token]) for e in entries],
         }
 
     async def _events(self, run: Run) -> AsyncIterator[str]:
@@ -838,7 +836,7 @@ class Server:
             answer = None if tools is None else tools.streamed()
             # Each chunk carries its tokens' logprobs; with tools, whose text is rewritten as it
             # streams, the last chunk carries them all.
-            sent, offset = 0, 0
+            sent, offsets = 0, TextOffsets()
             while (piece := await run.pieces.get()) is not None:
                 text, logprobs = piece
                 if answer is not None:
@@ -847,9 +845,8 @@ class Server:
                     continue
                 chunk = self._chunk(run, text, None)
                 if logprobs:
-                    chunk["choices"][0]["logprobs"] = self._logprobs(run, logprobs, offset)
+                    chunk["choices"][0]["logprobs"] = self._logprobs(run, logprobs, offsets)
                     sent += len(logprobs)
-                offset += len(text)
                 yield json.dumps(chunk)
             error = run.future.exception()
             if error is not None:  # the model or the backend failed mid-stream
@@ -864,7 +861,7 @@ class Server:
                     yield json.dumps(self._chunk(run, None, None) | {"choices": [chunk]})
             last = self._chunk(run, None if run.chat else "", finish)
             rest = None if result.logprobs is None else result.logprobs[sent:]
-            last["choices"][0]["logprobs"] = self._logprobs(run, rest or None, offset)
+            last["choices"][0]["logprobs"] = self._logprobs(run, rest or None, offsets)
             last["timings"] = timings(result, run.waited(result))
             yield json.dumps(last)
             if run.job.include_usage:
@@ -895,6 +892,21 @@ def _shutting_down() -> RequestError:
         code="shutting_down",
         headers={"Retry-After": "5"},
     )
+
+
+class TextOffsets:
+    """Where each token's text starts in an output, in characters: what the bytes of the tokens
+    before it decode to (a token may start inside a character that the one before it began)."""
+
+    def __init__(self) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.at = 0
+
+    def next(self, piece: bytes) -> int:
+        """The offset of the token whose bytes are ``piece``, the one after the last."""
+        start = self.at
+        self.at += len(self.decoder.decode(piece))
+        return start
 
 
 async def _read_body(request: Request) -> bytes:

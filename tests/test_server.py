@@ -972,6 +972,31 @@ def test_logprobs_in_openais_shapes(client: openai.OpenAI) -> None:
     assert [o for p in pieces for o in p.logprobs.text_offset or []] == lp.text_offset  # type: ignore[union-attr]
 
 
+def test_text_offsets_count_characters_that_tokens_split(client: openai.OpenAI) -> None:
+    """Emoji come as byte tokens that each hold part of a character: a token's offset counts
+    the characters before it, streamed or not."""
+    prompt = "Menu: 🍕 pizza, 🍔 burger, 🍟"
+    c = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=16, temperature=0, logprobs=0
+    )
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.text_offset
+    assert any("\ufffd" in t for t in lp.tokens)  # some tokens hold part of a character
+    text = c.choices[0].text
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        if "\ufffd" not in token:
+            assert text[offset:].startswith(token), (token, offset, text)
+    streamed = [
+        o
+        for chunk in client.completions.create(
+            model="smol", prompt=prompt, max_tokens=16, temperature=0, logprobs=0, stream=True
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+        for o in chunk.choices[0].logprobs.text_offset or []
+    ]
+    assert streamed == lp.text_offset
+
+
 def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server: Server) -> None:
     def post(**fields: object) -> httpx.Response:
         return httpx.post(
