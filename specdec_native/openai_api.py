@@ -73,6 +73,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "ignore_eos": _used_unless(lambda v: v is False),
     "grammar_lazy": _used_unless(lambda v: v is False),
     "lora": _used_unless(lambda v: v == []),
+    # llama-server's extra variables for a Jinja chat template (e.g. enable_thinking).
+    "chat_template_kwargs": lambda v: bool(v),
 }
 
 

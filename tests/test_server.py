@@ -1010,7 +1010,7 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
         {"typical_p": 0.9}, {"mirostat": 2}, {"dynatemp_range": 0.5}, {"top_n_sigma": 1.0},
         {"xtc_probability": 0.5}, {"dry_multiplier": 0.8}, {"n_probs": 3}, {"min_keep": 2},
         {"ignore_eos": True}, {"grammar_lazy": True}, {"lora": [{"id": 0, "scale": 1}]},
-        {"typical_p": "0.9"}, {"n_predict": 0},
+        {"typical_p": "0.9"}, {"n_predict": 0}, {"chat_template_kwargs": {"enable_thinking": False}},
     ]  # fmt: skip
     for fields in refused:
         r = post(**fields)
@@ -1021,6 +1021,7 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
         "typical_p": 1, "mirostat": 0, "dynatemp_range": 0, "top_n_sigma": -1,
         "xtc_probability": 0, "dry_multiplier": 0, "n_probs": 0, "min_keep": 1,
         "ignore_eos": False, "grammar_lazy": False, "lora": [], "samplers": "edkypmxt",
+        "chat_template_kwargs": {},
     }  # fmt: skip
     assert post(**off).status_code == 200
     # llama-server's n_predict is max_tokens, and wins over it there; -1 is no limit.
