@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, SupportsFloat, SupportsIndex, Union
@@ -364,6 +364,7 @@ class ChatTemplate:
         add_generation_prompt: bool,
         eos_token: str,
         tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         import jinja2
 
@@ -373,6 +374,7 @@ class ChatTemplate:
         try:
             return str(
                 self.jinja.render(
+                    **(variables or {}),
                     messages=messages,
                     tools=tools,
                     add_generation_prompt=add_generation_prompt,
@@ -453,6 +455,21 @@ def _chat_message(i: int, m: Any) -> dict[str, Any]:
             raise ValueError(f"message {i}'s tool_calls must be a list of function calls")
         out["tool_calls"] = calls
     return out
+
+
+# What a chat template is always given; chat_template_kwargs may not replace them.
+_TEMPLATE_INPUTS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_variables(given: Mapping[str, Any] | None) -> dict[str, Any]:
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping) or not all(isinstance(k, str) for k in given):
+        raise ArgumentTypeError("chat_template_kwargs must be a mapping of names to values")
+    taken = sorted(set(given) & set(_TEMPLATE_INPUTS))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
+    return dict(given)
 
 
 def _compile_jinja(text: str) -> Any:
@@ -961,9 +978,14 @@ class SpeculativeDecoder:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Formats messages ([{"role": ..., "content": ...}]) with the decoder's chat template:
         ``chat_template`` as given to the constructor, else the model's own.
+
+        ``chat_template_kwargs``: more variables for a Jinja template (Qwen3's
+        ``enable_thinking``, as llama-server and Hugging Face pass them); a template read by
+        llama.cpp's built-in formats takes none.
 
         The model's own default template is rendered as Jinja where it takes tools (as
         Hugging Face and ``llama-server --jinja`` render it: its own default system message
@@ -988,11 +1010,17 @@ class SpeculativeDecoder:
                 "tools need a chat template that takes them (tool_syntax.templated); this "
                 "decoder's writes tool calls in the generic format (specdec_native.tools)"
             )
+        variables = _template_variables(chat_template_kwargs)
         if template is not None and template.jinja is not None:
             eos = engine.model_info(False)["eos"]
             eos_text = engine.detokenize([eos]) if eos >= 0 else ""
             listed = None if tools is None else [dict(t) for t in tools]
-            return template.render(checked, add_generation_prompt, eos_text, listed)
+            return template.render(checked, add_generation_prompt, eos_text, listed, variables)
+        if variables:
+            raise ValueError(
+                "chat_template_kwargs need a Jinja chat template (chat_template=, or serve "
+                "--chat-template FILE); this one is read by llama.cpp's built-in formats"
+            )
         pairs = [(m["role"], m["content"]) for m in checked]
         return engine.apply_chat_template(
             pairs, add_generation_prompt, template.name if template else ""

@@ -73,8 +73,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "ignore_eos": _used_unless(lambda v: v is False),
     "grammar_lazy": _used_unless(lambda v: v is False),
     "lora": _used_unless(lambda v: v == []),
-    # llama-server's extra variables for a Jinja chat template (e.g. enable_thinking).
-    "chat_template_kwargs": lambda v: bool(v),
 }
 
 
@@ -374,6 +372,9 @@ class Message(_Body):
 
 class ChatCompletionRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="variables for a Jinja chat template, as llama-server's (enable_thinking)"
+    )
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -488,6 +489,10 @@ def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionReque
     for name, used in UNSUPPORTED.items():
         if name in body and used(body[name]):
             raise BodyError(f"'{name}' is not supported by this server", param=name)
+    if not chat and body.get("chat_template_kwargs"):
+        raise BodyError(
+            "'chat_template_kwargs' is for /v1/chat/completions", param="chat_template_kwargs"
+        )
     if body.get("n") not in (None, 1) and type(body.get("n")) is int:
         raise BodyError("'n' > 1 is not supported: send one request per choice", param="n")
     model: type[ChatCompletionRequest | CompletionRequest] = (

@@ -284,7 +284,9 @@ def _job(
     constraint = body.constraint(tools)
     if isinstance(body, ChatCompletionRequest):
         messages, listed = syntax.chat([m.for_tools() for m in body.messages], tools)
-        prompt: str | list[int] = decoder.apply_chat_template(messages, tools=listed)
+        prompt: str | list[int] = decoder.apply_chat_template(
+            messages, tools=listed, chat_template_kwargs=body.chat_template_kwargs
+        )
     else:
         prompt = body.prompt
     spec = body.speculative

@@ -997,6 +997,32 @@ def test_text_offsets_count_characters_that_tokens_split(client: openai.OpenAI) 
     assert streamed == lp.text_offset
 
 
+def test_chat_template_kwargs_reach_a_jinja_template(
+    hermes_server: Server, chat_server: Server
+) -> None:
+    def post(server: Server, **fields: object) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **fields}
+        return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+    def prompt_tokens(**fields: object) -> int:
+        r = post(hermes_server, **fields)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    plain = prompt_tokens()
+    # The template writes an empty thinking block when enable_thinking is false, as Qwen3's.
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    assert prompt_tokens(chat_template_kwargs={}) == plain
+    r = post(hermes_server, chat_template_kwargs={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = post(hermes_server, chat_template_kwargs=["enable_thinking"])
+    assert r.status_code == 400 and "chat_template_kwargs" in r.text
+    # llama.cpp's built-in formats take no variables: refused, not ignored.
+    r = post(chat_server, chat_template_kwargs={"enable_thinking": False})
+    assert r.status_code == 400 and "Jinja" in r.json()["error"]["message"]
+
+
 def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server: Server) -> None:
     def post(**fields: object) -> httpx.Response:
         return httpx.post(
