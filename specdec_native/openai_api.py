@@ -315,6 +315,12 @@ class _Generation(_Body):
             raise ValueError("must be -1 (no limit) or at least 1")
         return n
 
+    @model_validator(mode="after")
+    def _stream_options_when_streaming(self) -> _Generation:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     @property
     def token_limit(self) -> int | None:
         # llama-server's n_predict wins over max_tokens, as there.

@@ -204,6 +204,7 @@ def test_speculation_can_be_turned_off_per_request(chat_server: Server) -> None:
         ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ("completions", {"prompt": "x", "n": 2}, 400, "'n'"),
         ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
         (
             "chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
