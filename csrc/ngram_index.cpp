@@ -1,5 +1,7 @@
 #include "ngram_index.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -128,6 +130,10 @@ void SharedNgramIndex::save(const std::string& path, int n_vocab) const {
 }
 
 void SharedNgramIndex::load(const std::string& path, int n_vocab) {
+    // Opening a named pipe would wait for a writer, and a device may never end.
+    struct stat st{};
+    if (stat(path.c_str(), &st) != 0) throw io_error("cannot read", path);
+    if (!S_ISREG(st.st_mode)) throw FileError("cannot read " + path + ": not a regular file");
     std::ifstream in(path, std::ios::binary);
     if (!in) throw io_error("cannot read", path);
     in.seekg(0, std::ios::end);
@@ -152,15 +158,26 @@ void SharedNgramIndex::load(const std::string& path, int n_vocab) {
         if (!(accepts >= 0.0 && accepts <= tries && tries < 1e18))
             throw std::invalid_argument(bad + "bad copy evidence");
     }
+    // Only the newest tokens that could fit the budget are read, before any map is built (a
+    // file saved under a larger budget, or a crafted one, must not cost more memory than that):
+    // each token costs its own bytes and a map entry at least.
+    const uint64_t most = budget_ / (sizeof(llama_token) + kEntryBytes);
+    const uint64_t skipped = h.n_tokens > most ? h.n_tokens - most : 0;
+    in.seekg(static_cast<std::streamoff>(skipped * sizeof(llama_token)), std::ios::cur);
     std::vector<llama_token> tokens;
-    tokens.reserve(h.n_tokens + 1);
-    tokens.resize(h.n_tokens);
+    tokens.reserve(h.n_tokens - skipped + 1);
+    tokens.resize(h.n_tokens - skipped);
     in.read(reinterpret_cast<char*>(tokens.data()),
             static_cast<std::streamsize>(tokens.size() * sizeof(llama_token)));
     if (!in) throw io_error("cannot read", path);
     for (llama_token t : tokens)
         if (t != kBoundary && (t < 0 || t >= n_vocab))
             throw std::invalid_argument(bad + "a token outside the vocabulary");
+    if (skipped > 0) {  // from the first whole output on, where one starts in what was read
+        const auto boundary = std::find(tokens.begin(), tokens.end(), kBoundary);
+        if (boundary != tokens.end() && boundary + 1 != tokens.end())
+            tokens.erase(tokens.begin(), boundary + 1);
+    }
     if (!tokens.empty() && tokens.back() != kBoundary) tokens.push_back(kBoundary);
     // Nothing of the old index survives from here: a failure leaves it empty, never half-built.
     clear();

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -159,6 +162,40 @@ def test_the_shared_index_keeps_to_its_budget(tiny_pair: models.ModelPair) -> No
     assert max(held) > 2 * min(held[200:])
 
 
+def test_an_index_file_larger_than_the_budget_loads_within_it(
+    tiny_pair: models.ModelPair, tmp_path: Path
+) -> None:
+    """A file saved under a larger budget (here 2M tokens, 8 MB, against a budget of 1 MB) is
+    read from its newest tokens, as many as could fit: no maps are built for the rest first."""
+    script = f"""
+import random, resource, struct, sys
+import specdec_native as sd
+with sd.SpeculativeDecoder({str(tiny_pair.target)!r}, "ngram", n_ctx=128, ngram_index_mb=1) as dec:
+    dec.generate("Hello", 4)
+    dec.save_ngram_index({str(tmp_path / "small.bin")!r})
+    saved = open({str(tmp_path / "small.bin")!r}, "rb").read()
+    held = struct.unpack_from("<Q", saved, 24)[0]
+    evidence = saved[32 : len(saved) - 4 * held]
+    n_vocab = struct.unpack_from("<i", saved, 8)[0]
+    rng = random.Random(0)
+    tokens = [rng.randrange(n_vocab) for _ in range(2_000_000)]
+    big = saved[:24] + struct.pack("<Q", len(tokens)) + evidence + struct.pack(f"<{{len(tokens)}}i", *tokens)
+    open({str(tmp_path / "big.bin")!r}, "wb").write(big)
+    del tokens, big
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    dec.load_ngram_index({str(tmp_path / "big.bin")!r})
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    index = dec.ngram_index
+    print(grown // 1024, index["tokens"], index["bytes"])
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    grown_mib, tokens, held_bytes = (int(x) for x in out.stdout.split())
+    assert 0 < tokens and held_bytes <= 1 << 20
+    assert grown_mib < 32, out.stdout  # building maps for all 2M tokens first took ~270 MiB
+
+
 def test_index_drafts_keep_the_distribution(tiny_dir: Path) -> None:
     """Sampling: every request drafts the last one's output from the shared index (point masses,
     sometimes accepted, sometimes not); the outputs' distribution is the target's."""
@@ -200,6 +237,9 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
     ) as dec:
         with pytest.raises(OSError, match="cannot read"):
             dec.load_ngram_index(tmp_path / "missing.bin")
+        os.mkfifo(tmp_path / "pipe")  # opening it would wait for a writer
+        with pytest.raises(OSError, match="not a regular file"):
+            dec.load_ngram_index(tmp_path / "pipe")
         engine = dec._live()
         first = engine.generate(engine_request(prompt, 24, 0, 3, temperature=0.0))
         dec.save_ngram_index(path)
