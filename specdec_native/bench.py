@@ -376,7 +376,9 @@ def load_report(path: Path) -> BenchReport:
         if not isinstance(d.get("machine"), dict):
             raise TypeError("'machine' is not an object")
         names = {f.name for f in fields(RunResult)}
-        runs = [RunResult(**{k: v for k, v in r.items() if k in names}) for r in d["runs"]]
+        runs = [
+            _checked_run(RunResult(**{k: v for k, v in r.items() if k in names})) for r in d["runs"]
+        ]
         return BenchReport(
             d["target"],
             d["draft"],
@@ -398,6 +400,26 @@ def load_report(path: Path) -> BenchReport:
         raise ValueError(
             f"{path}: not a report of `bench --json` ({type(e).__name__}: {e})"
         ) from None
+
+
+def _checked_run(run: RunResult) -> RunResult:
+    """A run's fields of the types it holds (what a report's reader indexes and sums)."""
+    numbers = (int, float)
+    for f in fields(RunResult):
+        v = getattr(run, f.name)
+        if f.name == "prompt":
+            ok = isinstance(v, str)
+        elif f.name == "n_draft":
+            ok = v == "auto" or (isinstance(v, int) and not isinstance(v, bool))
+        elif f.name in ("acceptance_by_position", "speedup_by_repeat"):
+            ok = isinstance(v, list) and all(
+                isinstance(x, numbers) and not isinstance(x, bool) for x in v
+            )
+        else:
+            ok = isinstance(v, numbers) and not isinstance(v, bool)
+        if not ok:
+            raise TypeError(f"run field {f.name!r} holds {v!r}")
+    return run
 
 
 def _check_numbers(value: Any) -> None:

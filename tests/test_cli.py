@@ -443,6 +443,8 @@ def test_info_with_an_ngram_draft(tiny_pair: models.ModelPair) -> None:
         lambda d: d.update(machine=[1]),
         lambda d: d.update(seed=float("inf")),
         lambda d: d["runs"][0].update(speedup_by_repeat=[10**400]),
+        lambda d: [run.update(acceptance_by_position={"a": 1}) for run in d["runs"]],
+        lambda d: d["runs"][0].update(n_draft=[1]),
     ],
 )
 def test_bench_pool_refuses_odd_reports(
