@@ -206,16 +206,17 @@ size_t Model::common_prefix(llama_seq_id seq, const std::vector<llama_token>& to
 
 size_t Model::keep_common_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens,
                                  size_t limit) {
-    const size_t common = std::min(common_prefix(seq, tokens), limit);
-    if (common < held(seq).size()) forget_from(seq, static_cast<llama_pos>(common));
-    return common;
+    return keep_first(seq, std::min(common_prefix(seq, tokens), limit));
 }
 
 size_t Model::keep_servable_prefix(llama_seq_id seq, const std::vector<llama_token>& tokens,
                                    size_t limit) {
-    const size_t common = servable_prefix(seq, std::min(common_prefix(seq, tokens), limit));
-    if (common < held(seq).size()) forget_from(seq, static_cast<llama_pos>(common));
-    return common;
+    return keep_first(seq, servable_prefix(seq, std::min(common_prefix(seq, tokens), limit)));
+}
+
+size_t Model::keep_first(llama_seq_id seq, size_t n) {
+    if (n < held(seq).size()) forget_from(seq, static_cast<llama_pos>(n));
+    return n;
 }
 
 size_t Model::servable_prefix(llama_seq_id seq, size_t n) const {

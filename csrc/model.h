@@ -94,6 +94,9 @@ class Model {
     void clear_memory();  // every sequence
 
   private:
+    // Forgets what the cache holds for `seq` from position n on; returns n.
+    size_t keep_first(llama_seq_id seq, size_t n);
+
     std::shared_ptr<llama_model> model_;
     std::unique_ptr<llama_context, ContextDeleter> ctx_;
     const llama_vocab* vocab_ = nullptr;

@@ -205,6 +205,9 @@ class _Generation(_Body):
     )
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="chat: variables for a Jinja chat template, as llama-server's"
+    )
     parallel_tool_calls: Optional[bool] = None
     ngram_index: bool = Field(
         True,
@@ -378,9 +381,6 @@ class Message(_Body):
 
 class ChatCompletionRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(
-        None, description="variables for a Jinja chat template, as llama-server's (enable_thinking)"
-    )
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -401,9 +401,11 @@ class CompletionRequest(_Generation):
         return self.logprobs
 
     @model_validator(mode="after")
-    def _no_tools(self) -> CompletionRequest:
+    def _no_chat_fields(self) -> CompletionRequest:
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools are for /v1/chat/completions")
+        if self.chat_template_kwargs:
+            raise ValueError("chat_template_kwargs are for /v1/chat/completions")
         return self
 
     @field_validator("prompt", mode="before")
@@ -495,10 +497,6 @@ def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionReque
     for name, used in UNSUPPORTED.items():
         if name in body and used(body[name]):
             raise BodyError(f"'{name}' is not supported by this server", param=name)
-    if not chat and body.get("chat_template_kwargs"):
-        raise BodyError(
-            "'chat_template_kwargs' is for /v1/chat/completions", param="chat_template_kwargs"
-        )
     if body.get("n") not in (None, 1) and type(body.get("n")) is int:
         raise BodyError("'n' > 1 is not supported: send one request per choice", param="n")
     model: type[ChatCompletionRequest | CompletionRequest] = (
