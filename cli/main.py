@@ -213,6 +213,20 @@ def draft_gpu_layers_option(envvar: str | None = None) -> Callable[[F], F]:
     )
 
 
+def _check_index_file(path: Path, has_index: bool) -> None:
+    """Refuses an index file that would be ignored, or only fail to save at exit."""
+    if not has_index:
+        raise click.ClickException(
+            "--ngram-index-file needs the shared n-gram index: --draft ngram (or --ngram with "
+            "a draft model) and --ngram-index-mb > 0"
+        )
+    folder = path.parent
+    if not folder.is_dir():
+        raise click.ClickException(f"--ngram-index-file: no such directory: {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.ClickException(f"--ngram-index-file: cannot write in {folder}")
+
+
 def _draft_option_value(n_draft: str) -> int | str:
     """The value of -k/--draft-max: 'auto', or K in [0, MAX_DRAFT]."""
     from specdec_native.decoder import MAX_DRAFT
@@ -935,6 +949,9 @@ def serve(
     template = _chat_template_value(chat_template)
     ChatTemplate.of(template)  # a bad one is this command's error, before the models load
     GenerationSettings.checked(**sampling).check_values()  # likewise a bad value
+    if ngram_index_file is not None:
+        drafts_ngrams = str(draft) == "ngram" or ngram_with_model
+        _check_index_file(ngram_index_file, drafts_ngrams and ngram_index_mb > 0)
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -953,9 +970,7 @@ def serve(
         n_draft=k if has_drafter else 0,
         grace=grace,
         sampling=SamplingDefaults(**sampling),
-        ngram_index_file=ngram_index_file
-        if (ngram or ngram_with_model) and ngram_index_mb
-        else None,
+        ngram_index_file=ngram_index_file,
     )
 
     def load() -> SpeculativeDecoder:

@@ -109,24 +109,28 @@ void SharedNgramIndex::forget_older_half() {
 
 void SharedNgramIndex::save(const std::string& path, int n_vocab) const {
     const std::string tmp = path + ".tmp";
-    {
-        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        if (!out) throw io_error("cannot write", tmp);
-        FileHeader h{};
-        std::memcpy(h.magic, kMagic, sizeof kMagic);
-        h.n_vocab = n_vocab;
-        h.ngram_min = ngram_min_;
-        h.ngram_max = ngram_max_;
-        h.n_tokens = tokens_.size();
-        const auto evidence = copy_.evidence();
-        out.write(reinterpret_cast<const char*>(&h), sizeof h);
-        out.write(reinterpret_cast<const char*>(evidence.data()), sizeof evidence);
-        out.write(reinterpret_cast<const char*>(tokens_.data()),
-                  static_cast<std::streamsize>(tokens_.size() * sizeof(llama_token)));
-        out.flush();
-        if (!out) throw io_error("cannot write", tmp);
-    }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) throw io_error("cannot write", path);
+    if (write_file(tmp, n_vocab) && std::rename(tmp.c_str(), path.c_str()) == 0) return;
+    const FileError error = io_error("cannot write", path);
+    std::remove(tmp.c_str());  // a failed save leaves the old file and nothing beside it
+    throw error;
+}
+
+bool SharedNgramIndex::write_file(const std::string& path, int n_vocab) const {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    if (!out) return false;
+    FileHeader h{};
+    std::memcpy(h.magic, kMagic, sizeof kMagic);
+    h.n_vocab = n_vocab;
+    h.ngram_min = ngram_min_;
+    h.ngram_max = ngram_max_;
+    h.n_tokens = tokens_.size();
+    const auto evidence = copy_.evidence();
+    out.write(reinterpret_cast<const char*>(&h), sizeof h);
+    out.write(reinterpret_cast<const char*>(evidence.data()), sizeof evidence);
+    out.write(reinterpret_cast<const char*>(tokens_.data()),
+              static_cast<std::streamsize>(tokens_.size() * sizeof(llama_token)));
+    out.close();
+    return !out.fail();
 }
 
 void SharedNgramIndex::load(const std::string& path, int n_vocab) {

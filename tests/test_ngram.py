@@ -246,6 +246,10 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
         held = dec.ngram_index["tokens"]
         with pytest.raises(OSError, match="cannot write"):
             dec.save_ngram_index(tmp_path / "no-such-dir" / "index.bin")
+        (tmp_path / "a-dir" / "inside").mkdir(parents=True)  # written, but not renamed over
+        with pytest.raises(OSError, match="cannot write"):
+            dec.save_ngram_index(tmp_path / "a-dir")
+        assert not (tmp_path / "a-dir.tmp").exists()
     with sd.SpeculativeDecoder(
         tiny_pair.target, "ngram", n_draft=3, n_ctx=128, ngram_index_mb=1
     ) as dec:

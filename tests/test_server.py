@@ -504,6 +504,17 @@ def test_a_bad_index_size_is_one_line(value: str) -> None:
     assert "--ngram-index-mb" in serve_refusal("--ngram-index-mb", value)
 
 
+def test_an_index_file_that_would_be_ignored_or_unsaved_is_refused(tmp_path: Path) -> None:
+    file = str(tmp_path / "index.bin")
+    for options in (
+        ("--ngram-index-file", file),  # the default pair drafts with its model only
+        ("--ngram", "--ngram-index-mb", "0", "--ngram-index-file", file),
+    ):
+        assert "needs the shared n-gram index" in serve_refusal(*options)
+    missing = str(tmp_path / "gone" / "index.bin")  # found out at exit, after serving
+    assert "no such directory" in serve_refusal("--ngram", "--ngram-index-file", missing)
+
+
 @pytest.mark.parametrize(
     "option,message",
     [
