@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, TypeVar
 
 import click
+from click.core import ParameterSource
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,18 +81,23 @@ def user_errors(fn: F) -> F:
                 sys.stdout.flush()
                 return result
             except (ValueError, TypeError, FileNotFoundError) as e:
-                raise click.ClickException(str(e)) from None
+                raise click.ClickException(_one_line(str(e))) from None
             except (sd.ModelLoadError, sd.UnsupportedModelError) as e:
-                raise click.ClickException(str(e)) from None
+                raise click.ClickException(_one_line(str(e))) from None
             except OSError as e:
                 _silence_stdout()
-                raise click.ClickException(_os_error_message(e)) from None
+                raise click.ClickException(_one_line(_os_error_message(e))) from None
             except RuntimeError as e:
-                raise click.ClickException(f"{type(e).__name__}: {e}") from None
+                raise click.ClickException(_one_line(f"{type(e).__name__}: {e}")) from None
         except KeyboardInterrupt:
             _exit_interrupted()
 
     return wrapper  # type: ignore[return-value]
+
+
+def _one_line(message: str) -> str:
+    """A message of several lines (a grammar error's caret diagram) as one."""
+    return " | ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 def _exit_interrupted() -> NoReturn:
@@ -213,6 +219,23 @@ def draft_gpu_layers_option(envvar: str | None = None) -> Callable[[F], F]:
     )
 
 
+def _check_server_text(**values: str | None) -> None:
+    """The alias and the key travel in HTTP bodies and headers: text, and never empty (an
+    empty key would serve without one)."""
+    from specdec_native.decoder import _check_text
+
+    for name, value in values.items():
+        option = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if not value.strip():
+            raise click.ClickException(f"{option} is empty")
+        try:
+            _check_text(option, value)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+
+
 def _check_index_file(path: Path, has_index: bool) -> None:
     """Refuses an index file that would be ignored, or only fail to save at exit."""
     if not has_index:
@@ -261,7 +284,11 @@ def _read_text(path: Path) -> str:
 
 def _chat_template_value(value: str | None) -> str | None:
     """The template's text when VALUE is a file, else VALUE (a name, checked by the decoder)."""
-    if value is None or not Path(value).is_file():
+    try:
+        is_file = value is not None and Path(value).is_file()
+    except (OSError, ValueError):  # too long, or a NUL, for a path: the template's text
+        is_file = False
+    if value is None or not is_file:
         return value
     try:
         return Path(value).read_text(encoding="utf-8")
@@ -451,6 +478,10 @@ def run(
 
     k = _draft_option_value(n_draft)
     GenerationSettings.checked(**sampling).check_values()  # before the models load
+    if chat_template is not None and not chat:
+        raise click.UsageError("--chat-template applies to --chat")
+    if no_draft and (draft is not None or ngram):
+        raise click.UsageError("--no-draft conflicts with --draft and --ngram")
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -462,6 +493,9 @@ def run(
     draft_arg: Path | str | None = draft
     if draft is not None and str(draft) == "ngram":
         draft_arg, ngram = None, True
+    _refuse_options_without_effect(
+        ngram=ngram, draft_model=draft_arg is not None, auto=k == "auto", recalibrate=recalibrate
+    )
     text = _read_prompt(prompt, prompt_file)
     with SpeculativeDecoder(
         target,
@@ -480,7 +514,7 @@ def run(
     ) as sd:
         if chat:
             text = sd.apply_chat_template([{"role": "user", "content": text}])
-        if recalibrate and sd.n_draft == "auto" and (draft_arg is not None or ngram):
+        if recalibrate:
             progress("measuring decode costs")
             sd.calibrate(text)
 
@@ -506,6 +540,24 @@ def run(
     else:
         sys.stdout.write("\n")
         click.echo(_format_stats(result.stats, result.finish_reason, calibration), err=True)
+
+
+def _given(name: str) -> bool:
+    """Whether the user set option `name` (on the command line or in its variable)."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _refuse_options_without_effect(
+    *, ngram: bool, draft_model: bool, auto: bool, recalibrate: bool
+) -> None:
+    """`run`'s options that the rest of its command line leaves without effect."""
+    if not ngram and (_given("ngram_min") or _given("ngram_max")):
+        raise click.UsageError("--ngram-min and --ngram-max apply to n-gram drafting")
+    if not draft_model and _given("draft_p_min"):
+        raise click.UsageError("--draft-p-min applies to a draft model")
+    if recalibrate and not (auto and (draft_model or ngram)):
+        raise click.UsageError("--recalibrate applies to -k auto with a draft")
 
 
 @cli.command()
@@ -574,6 +626,8 @@ def _k_list(text: str) -> list[int | str]:
         k: int | str = x if x == "auto" else _draft_length(x, "expected K values or 'auto'")
         if isinstance(k, int) and k > MAX_DRAFT:
             raise click.ClickException(f"K must be in [0, {MAX_DRAFT}], got {k}")
+        if k in out:
+            raise click.ClickException(f"K {k} is given twice")
         out.append(k)
     if not out:
         raise click.ClickException(f"expected comma-separated K values or 'auto', got {text!r}")
@@ -587,6 +641,8 @@ def _float_list(text: str) -> list[float]:
         raise click.ClickException(f"expected comma-separated numbers, got {text!r}") from None
     if not values or not all(math.isfinite(v) and v >= 0 for v in values):
         raise click.ClickException(f"expected comma-separated numbers >= 0, got {text!r}")
+    if len(set(values)) < len(values):
+        raise click.ClickException(f"a value is given twice in {text!r}")
     return values
 
 
@@ -594,6 +650,18 @@ def _writable(path: Path | None, option: str) -> None:
     """Fails now, not after a long benchmark, when `path` cannot be written."""
     if path is not None and not path.parent.is_dir():
         raise click.ClickException(f"{option}: the directory {path.parent} does not exist")
+
+
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def _check_plot(plot_out: Path | None, json_out: Path | None) -> None:
+    if plot_out is None:
+        return
+    if plot_out.suffix.lower() not in PLOT_FORMATS:
+        raise click.ClickException(f"--plot: name a {', '.join(PLOT_FORMATS)} file")
+    if json_out is not None and json_out.resolve() == plot_out.resolve():
+        raise click.ClickException("--json and --plot name the same file")
 
 
 @cli.command()
@@ -637,7 +705,7 @@ def _writable(path: Path | None, option: str) -> None:
     "--plot",
     "plot_out",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Write a PNG (needs matplotlib).",
+    help="Write a plot: PNG, SVG or PDF by its extension (needs matplotlib).",
 )
 @click.option(
     "--vs-llama-cpp",
@@ -684,6 +752,11 @@ def bench(
         raise click.ClickException(f"--seed must be in [0, 2**63], got {seed}")
     _writable(json_out, "--json")
     _writable(plot_out, "--plot")
+    _check_plot(plot_out, json_out)
+    if target is not None and draft is None and _given("ks"):
+        raise click.UsageError("-k needs a draft: --draft MODEL or --draft ngram")
+    if llama_cpp_bin is not None and not vs_llama_cpp and _given("llama_cpp_bin"):
+        raise click.UsageError("--llama-cpp-bin applies to --vs-llama-cpp")
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -754,6 +827,8 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     pair (the configurations they all ran)."""
     from specdec_native import bench as b
 
+    if len({p.resolve() for p in reports}) < len(reports):
+        raise click.ClickException("a report is given twice: its rounds would count twice")
     loaded = [b.load_report(p) for p in reports]
     pooled = b.pool_reports(loaded)
     for path, r in zip(reports, loaded):
@@ -949,6 +1024,7 @@ def serve(
     template = _chat_template_value(chat_template)
     ChatTemplate.of(template)  # a bad one is this command's error, before the models load
     GenerationSettings.checked(**sampling).check_values()  # likewise a bad value
+    _check_server_text(model_alias=model_alias, api_key=api_key)
     if ngram_index_file is not None:
         drafts_ngrams = str(draft) == "ngram" or ngram_with_model
         _check_index_file(ngram_index_file, drafts_ngrams and ngram_index_mb > 0)
@@ -960,7 +1036,7 @@ def serve(
     configure_log(log_format)
     ngram = draft is not None and str(draft) == "ngram"
     draft_arg = None if ngram else draft
-    has_drafter = draft_arg is not None or ngram
+    has_drafter = draft_arg is not None or ngram or ngram_with_model  # --ngram alone: n-grams
     settings = ServerSettings(
         model_alias=model_alias or target.name.removesuffix(".gguf"),
         api_key=api_key or None,

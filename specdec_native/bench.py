@@ -375,6 +375,9 @@ def load_report(path: Path) -> BenchReport:
         _check_numbers(d)
         if not isinstance(d.get("machine"), dict):
             raise TypeError("'machine' is not an object")
+        for name in ("max_tokens", "repeats"):
+            if not (type(d.get(name)) is int and d[name] >= 1):
+                raise ValueError(f"{name!r} is not a count >= 1")
         names = {f.name for f in fields(RunResult)}
         runs = [
             _checked_run(RunResult(**{k: v for k, v in r.items() if k in names})) for r in d["runs"]

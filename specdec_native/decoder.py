@@ -307,7 +307,19 @@ def _check_model_path(name: str, path: PathLike) -> str:
         if isinstance(e, FileNotFoundError):
             raise
         raise ValueError(f"{name} model path cannot be used ({e.strerror}): {p}") from None
-    return str(p)
+    return _native_path(f"{name} model path", p)
+
+
+def _native_path(name: str, path: PathLike) -> str:
+    """A path as the engine takes it: UTF-8 text (a file name of other bytes must be renamed)."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str path, got bytes")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid UTF-8: {text!r}") from None
+    return text
 
 
 def _model_address(llm: Any) -> int:
@@ -522,6 +534,8 @@ def constraint_of(
     if not given:
         return None
     kind, value = given[0]
+    if isinstance(value, str):
+        _check_text(CONSTRAINT_ARGUMENTS[kind], value)
     if kind == "json_schema" and isinstance(value, (dict, bool)):
         return ("json_schema", json.dumps(value))
     return (kind, value)
@@ -941,13 +955,13 @@ class SpeculativeDecoder:
         """Writes the shared n-gram index (``ngram_index_mb``) to ``path``, once no request is
         generating; ``load_ngram_index`` in a later process starts from it. OSError when the
         file cannot be written, ValueError without an index."""
-        self._live().save_ngram_index(os.fspath(path))
+        self._live().save_ngram_index(_native_path("the index path", path))
 
     def load_ngram_index(self, path: PathLike) -> None:
         """Replaces the shared n-gram index with one ``save_ngram_index`` wrote (for this
         model's vocabulary; kept within this decoder's budget). OSError when the file cannot be
         read, ValueError when it is no index of this vocabulary."""
-        self._live().load_ngram_index(os.fspath(path))
+        self._live().load_ngram_index(_native_path("the index path", path))
 
     def info(self) -> dict[str, Any]:
         """Architecture, size and vocabulary of the target (and draft)."""

@@ -262,8 +262,9 @@ def skipped_layers(n_layer: int, skip: int) -> list[int]:
     """Which `skip` layers a layer-skipping draft leaves out: spread evenly over the middle,
     keeping the first and last quarter, which small models depend on most."""
     lo, hi = n_layer // 4, n_layer - n_layer // 4
-    if not 0 <= skip <= hi - lo:
-        raise ValueError(f"can skip at most {hi - lo} of {n_layer} layers")
+    most = min(hi - lo, n_layer - 1)  # a model keeps at least one layer
+    if not 0 <= skip <= most:
+        raise ValueError(f"can skip at most {most} of {n_layer} layers")
     return [lo + (2 * j + 1) * (hi - lo) // (2 * skip) for j in range(skip)]
 
 
@@ -312,6 +313,7 @@ def build_deep_pair(
         n_layer = _block_count(source)
     except (KeyError, IndexError, ValueError, TypeError) as e:
         raise ValueError(f"{source} is not a usable GGUF model ({e!r})") from None
+    skipped_layers(n_layer, draft_skip)  # a skip the draft cannot take, refused now
     if (1 + extra_copies) * n_layer > MAX_LAYERS:
         raise ValueError(
             f"a target of {1 + extra_copies} x {n_layer} layers is over llama.cpp's "
@@ -336,8 +338,8 @@ def _build_deep_pair(
 ) -> ModelPair:
     out_dir = out_dir or cache_dir()
     quant, draft_quant = quants
-    stem = source.name.removesuffix(".gguf")
-    target = out_dir / f"{stem}.deep{1 + extra_copies}x-eps{epsilon:g}.{quant}.gguf"
+    stem = _source_stem(source)
+    target = out_dir / f"{stem}.deep{1 + extra_copies}x-eps{_exact(epsilon)}.{quant}.gguf"
     skip = f".skip{draft_skip}" if draft_skip else ""
     draft = out_dir / f"{stem}{skip}.{draft_quant}.gguf"
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
@@ -352,6 +354,20 @@ def _build_deep_pair(
             f16 = write_deep_target(source, Path(tmp) / "target.f16.gguf", extra_copies, epsilon)
             quantize(f16, target, quant)
     return ModelPair(target, draft)
+
+
+def _source_stem(source: Path) -> str:
+    """What names a pair's files after its source: the packaged SmolLM2's name, and any other
+    source's name with a digest of its content (two models of one name are two sources)."""
+    stem = source.name.removesuffix(".gguf")
+    if source.resolve() == (cache_dir() / SMOLLM2_FILE).resolve():
+        return stem
+    return f"{stem}-{_sha256(source)[:10]}"
+
+
+def _exact(x: float) -> str:
+    """`x` in a file name: short where that reads back as the same number."""
+    return f"{x:g}" if float(f"{x:g}") == x else repr(x)
 
 
 def default_pair(progress: Progress = _quiet) -> ModelPair:
@@ -530,17 +546,21 @@ def write_tiny_model(
     return out
 
 
+# A thousand times the head's own scale is a draft of pure noise; more overflows float32.
+MAX_DRAFT_NOISE = 1e3
+
+
 def build_tiny_pair(
     out_dir: Path, *, seed: int = 0, draft_noise: float = 1.0, space_prefix: bool = True
 ) -> ModelPair:
     """A tiny target and a draft equal to it but for noise of scale ``draft_noise`` on the head
     (``space_prefix``: see write_tiny_model)."""
-    if not (math.isfinite(draft_noise) and draft_noise >= 0):
-        raise ValueError(f"draft_noise must be a finite number >= 0, got {draft_noise}")
+    if not (math.isfinite(draft_noise) and 0 <= draft_noise <= MAX_DRAFT_NOISE):
+        raise ValueError(f"draft_noise must be in [0, {MAX_DRAFT_NOISE:g}], got {draft_noise}")
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "" if space_prefix else "-nospace"
     target = out_dir / f"tiny-{seed}{kind}.gguf"
-    draft = out_dir / f"tiny-{seed}{kind}-draft{draft_noise:g}.gguf"
+    draft = out_dir / f"tiny-{seed}{kind}-draft{_exact(draft_noise)}.gguf"
     if not target.exists():
         write_tiny_model(target, seed=seed, space_prefix=space_prefix)
     if not draft.exists():

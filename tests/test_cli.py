@@ -185,6 +185,42 @@ def test_bad_run_input_is_one_line(
     assert_one_line_error(r, match)
 
 
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("--chat-template", "chatml"), "--chat-template applies to --chat"),
+        (("--draft", "ngram", "--no-draft"), "--no-draft conflicts"),
+        (("--ngram", "--no-draft"), "--no-draft conflicts"),
+        (("--ngram-min", "2"), "--ngram-min and --ngram-max apply"),
+        (("--draft", "ngram", "--draft-p-min", "0.5"), "--draft-p-min applies"),
+        (("--draft", "ngram", "-k", "3", "--recalibrate"), "--recalibrate applies"),
+        (("--regex", "("), ""),  # llguidance's message, over several lines, as one
+        (("--regex", "\udcff"), "regex is not valid Unicode"),
+    ],
+)
+def test_run_refuses_options_left_without_effect(
+    tiny_pair: models.ModelPair, args: tuple[str, ...], match: str
+) -> None:
+    assert_one_line_error(run_cli("run", tiny_pair.target, "-p", "the", "-n", "2", *args), match)
+
+
+def test_a_model_path_that_is_not_utf8(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
+    odd = tmp_path / "caf\udce9.gguf"  # the byte 0xE9, as Python names it
+    odd.write_bytes(tiny_pair.target.read_bytes())
+    assert_one_line_error(run_cli("run", odd, "-p", "x", "-n", "2"), "not valid UTF-8")
+
+
+def test_an_inline_chat_template_longer_than_a_file_name(tiny_pair: models.ModelPair) -> None:
+    template = "{% for m in messages %}<{{ m.content }}>{% endfor %}{# " + "x" * 300 + " #}"
+    r = run_cli("run", tiny_pair.target, "--chat", "--chat-template", template, "-p", "hi",
+                "-n", "2", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plain = run_cli("run", tiny_pair.target, "-p", "<hi>", "-n", "2", "--json")
+    assert (
+        json.loads(r.stdout)["stats"]["n_prompt"] == json.loads(plain.stdout)["stats"]["n_prompt"]
+    )
+
+
 def test_a_model_path_too_long(tmp_path: Path) -> None:
     assert_one_line_error(run_cli("run", tmp_path / (LONG + ".gguf"), "-p", "x"))
 
@@ -195,8 +231,9 @@ def test_an_empty_prompt_file(tiny_pair: models.ModelPair, tmp_path: Path) -> No
     assert_one_line_error(run_cli("run", tiny_pair.target, "-f", f), "is empty")
 
 
-def test_tiny_pair_refuses_nan_noise(tmp_path: Path) -> None:
-    assert_one_line_error(run_cli("models", "tiny-pair", "--out", tmp_path, "--noise", "nan"))
+@pytest.mark.parametrize("noise", ["nan", "1e308"])  # 1e308 overflows the head to inf
+def test_tiny_pair_refuses_a_noise_out_of_range(tmp_path: Path, noise: str) -> None:
+    assert_one_line_error(run_cli("models", "tiny-pair", "--out", tmp_path, "--noise", noise))
     assert not list(tmp_path.glob("*.gguf"))
 
 
@@ -350,9 +387,10 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
         assert 0.0 < lo <= hi
     assert png.stat().st_size > 10_000
 
-    # bench-pool: the same report twice is a report of twice the rounds
-    pooled = tmp_path / "pooled.json"
-    r = run_cli("bench-pool", out, out, "--json", pooled)
+    # bench-pool: a copy of the report beside it is a report of twice the rounds
+    pooled, copy = tmp_path / "pooled.json", tmp_path / "copy.json"
+    copy.write_bytes(out.read_bytes())
+    r = run_cli("bench-pool", out, copy, "--json", pooled)
     assert r.returncode == 0, r.stderr
     assert "pooled, 4 rounds" in r.stdout and "auto vs the fixed K" in r.stdout
     # at T = 1 both copies sampled the same texts, and the pool says so
@@ -423,6 +461,21 @@ def test_bench_refuses_bad_options_before_loading(
     assert_one_line_error(r, match)
 
 
+def test_bench_refuses_options_left_without_effect(
+    tiny_pair: models.ModelPair, tmp_path: Path
+) -> None:
+    same = tmp_path / "r.png"
+    for args, match in (
+        (("-k", "3"), "-k needs a draft"),
+        (("--draft", "ngram", "-k", "1,1"), "given twice"),
+        (("--draft", "ngram", "--temps", "0,0"), "given twice"),
+        (("--draft", "ngram", "--plot", tmp_path / "r.out"), "--plot: name a"),
+        (("--draft", "ngram", "--json", same, "--plot", same), "the same file"),
+        (("--llama-cpp-bin", tmp_path), "applies to --vs-llama-cpp"),
+    ):
+        assert_one_line_error(run_cli("bench", tiny_pair.target, "-r", "1", *args), match)
+
+
 def test_bench_draft_without_target(tiny_pair: models.ModelPair) -> None:
     assert_one_line_error(run_cli("bench", "--draft", tiny_pair.draft), "--draft needs a TARGET")
 
@@ -473,6 +526,7 @@ def test_bench_pool_refuses_odd_reports(
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data).replace("Infinity", "1e400"))
     assert_one_line_error(run_cli("bench-pool", good, bad), "not a report")
+    assert_one_line_error(run_cli("bench-pool", good, good), "given twice")
 
 
 def test_deep_pair_refuses_a_damaged_source_and_a_bad_quant(
@@ -486,7 +540,10 @@ def test_deep_pair_refuses_a_damaged_source_and_a_bad_quant(
         "models", "deep-pair", "--source", tiny_pair.target, "--quant", "bogus", "--out", out
     )
     assert_one_line_error(r, "unknown quant")
-    assert not list(out.glob("*.gguf"))
+    r = run_cli("models", "deep-pair", "--source", tiny_pair.target, "--copies", "1",
+                "--draft-skip", "1", "--out", out)  # fmt: skip
+    assert_one_line_error(r, "can skip at most")  # not a draft of no layers at all
+    assert not list(out.glob("*.gguf")) and not list(out.glob("tmp*"))
 
 
 def test_bench_vs_llama_cpp_without_its_tools(tiny_pair: models.ModelPair, tmp_path: Path) -> None:

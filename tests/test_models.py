@@ -66,6 +66,24 @@ def test_deep_pair_agreement_falls_as_epsilon_grows(smollm2: Path, tmp_path: Pat
     assert a_small > 0.7
 
 
+def test_a_pair_is_cached_by_its_recipe_not_by_a_name(
+    tiny_pair: models.ModelPair, tmp_path: Path
+) -> None:
+    one, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for source, model in ((one, tiny_pair.target), (other, tiny_pair.draft)):
+        source.parent.mkdir()
+        source.write_bytes(model.read_bytes())
+    out = tmp_path / "out"
+    out.mkdir()
+    built = [
+        models.build_deep_pair(one, extra_copies=1, out_dir=out),
+        models.build_deep_pair(other, extra_copies=1, out_dir=out),  # another model, one name
+        models.build_deep_pair(one, extra_copies=1, epsilon=0.0100000001, out_dir=out),
+    ]
+    assert len({p.target for p in built}) == 3 and len({p.draft for p in built}) == 2
+    assert built[0].target.read_bytes() != built[1].target.read_bytes()
+
+
 def test_tiny_pair(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
     near = models.build_tiny_pair(tmp_path, seed=0, draft_noise=0.1)
     with sd.SpeculativeDecoder(tiny_pair.target, n_ctx=256) as dec:

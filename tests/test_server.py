@@ -314,6 +314,17 @@ def test_a_request_copies_what_an_earlier_one_wrote(chat_server: Server) -> None
     )
 
 
+def test_ngram_alone_drafts_n_grams(tiny_pair: models.ModelPair) -> None:
+    # `--ngram` without a draft model is n-gram drafting, in `serve` as in `run`.
+    server = start(tiny_pair.target, "--ngram", "-np", "1", "-c", "256")
+    try:
+        body = {"prompt": "the sea, the sea, the sea,", "max_tokens": 32, "temperature": 0}
+        out = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    finally:
+        assert server.stop() == 0
+    assert out["timings"]["draft_n"] > 0, out["timings"]
+
+
 def test_the_shared_index_outlives_a_restart(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
     path = tmp_path / "index.bin"
     args = ("--draft", "ngram", "-np", "1", "-c", "256", "--ngram-index-file", path)
@@ -502,6 +513,18 @@ def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
 @pytest.mark.parametrize("value", ["-1", "nan", "1e9", "0.00001"])
 def test_a_bad_index_size_is_one_line(value: str) -> None:
     assert "--ngram-index-mb" in serve_refusal("--ngram-index-mb", value)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (("--model-alias", "\udcff"), "--model-alias is not valid Unicode"),
+        (("--api-key", ""), "--api-key is empty"),  # it would serve without a key
+        (("--api-key", "  "), "--api-key is empty"),
+    ],
+)
+def test_an_alias_or_key_that_is_no_text_is_refused(options: tuple[str, ...], message: str) -> None:
+    assert message in serve_refusal(*options)
 
 
 def test_an_index_file_that_would_be_ignored_or_unsaved_is_refused(tmp_path: Path) -> None:
