@@ -664,6 +664,12 @@ class GenerationSettings:
         n_draft = d["n_draft"]
         seed, timeout, deadline = d["seed"], d["timeout"], d["deadline"]
         constraint = d["constraint"]
+        if constraint is not None and d["stop"]:
+            # A stop string would end structured output before its end, passed off as whole.
+            raise ValueError(
+                "stop strings cannot be combined with structured output (a JSON schema, "
+                "grammar, regex or tools): they would cut it short"
+            )
         return cls(
             constraint=None if constraint is None else _check_constraint(*constraint),
             logprobs=None

@@ -124,8 +124,16 @@ class ResponseFormat(_Body):
 class FunctionDefinition(_Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema")
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of an object")
     strict: Optional[bool] = Field(None, description="always enforced")
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, schema: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        # Arguments are a JSON object: a call's arguments string holds one.
+        if schema is not None and schema.get("type", "object") != "object":
+            raise ValueError('must be the schema of an object ("type": "object")')
+        return schema
 
 
 class Tool(_Body):

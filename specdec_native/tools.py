@@ -40,6 +40,7 @@ calls; a named function: calls of it).
 
 from __future__ import annotations
 
+import decimal
 import hashlib
 import json
 import re
@@ -108,10 +109,11 @@ class ToolSyntax:
     def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
         """The output as (content, tool calls); None, [] for text that is not a complete
         output of the format (cut short by max_tokens, say)."""
-        return read_output(text)
+        return read_output(text, json_answer=fmt.response_schema is not None)
 
-    def reader(self) -> Streamed:
-        return StreamedAnswer()
+    def reader(self, fmt: ToolFormat) -> Streamed:
+        # An answer under a response format is JSON text, given whole at the end.
+        return StreamedAnswer() if fmt.response_schema is None else ReadAtEnd()
 
     def chat(
         self, messages: list[Message], fmt: ToolFormat | None
@@ -166,7 +168,7 @@ class _Hermes(_Templated):
     def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
         return read_hermes(text, fmt.names)
 
-    def reader(self) -> Streamed:
+    def reader(self, fmt: ToolFormat) -> Streamed:
         return StreamedText(CALL_OPEN)
 
 
@@ -198,7 +200,7 @@ class _Llama3(_Templated):
     def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
         return read_llama3(text, fmt.names)
 
-    def reader(self) -> Streamed:
+    def reader(self, fmt: ToolFormat) -> Streamed:
         return StreamedUnlessCall()
 
 
@@ -221,7 +223,7 @@ class _Mistral(_Templated):
     def read(self, fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
         return read_mistral(text, fmt.names)
 
-    def reader(self) -> Streamed:
+    def reader(self, fmt: ToolFormat) -> Streamed:
         return StreamedText(MISTRAL_CALLS)
 
     def chat(
@@ -304,7 +306,7 @@ class ToolFormat:
 
     def streamed(self) -> Streamed:
         """A reader of the output as it comes, giving the answer's text once it is known."""
-        return self.syntax.reader()
+        return self.syntax.reader(self)
 
     def output(self, text: str, streamed: str | None = None) -> tuple[str, list[ToolCall]]:
         """The output as (content, calls), given what of its content a stream gave as it came
@@ -647,23 +649,43 @@ def _arguments(call: ToolCall) -> Any:
         ) from None
 
 
-def read_output(text: str) -> tuple[str | None, list[ToolCall]]:
+def read_output(text: str, json_answer: bool = False) -> tuple[str | None, list[ToolCall]]:
     """The generated JSON as (content, tool calls); None for text that is not a complete
-    output of the format (cut short by max_tokens, say)."""
+    output of the format (cut short by max_tokens, say). `json_answer`: the answer is JSON
+    under a response format, given as JSON text even when it is a string."""
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return None, []
-    if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-        calls = [
-            ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
-            for c in value["tool_calls"]
-        ]
-        return None, calls
-    if isinstance(value, dict) and "response" in value:
-        answer = value["response"]
-        return (answer if isinstance(answer, str) else json.dumps(answer)), []
+        value = _parse_json(text)
+        if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
+            calls = [ToolCall(c["name"], _json_text(c["arguments"])) for c in value["tool_calls"]]
+            return None, calls
+        if isinstance(value, dict) and "response" in value:
+            answer = value["response"]
+            plain = isinstance(answer, str) and not json_answer
+            return (answer if plain else _json_text(answer)), []
+    except (ValueError, RecursionError):
+        pass
     return None, []
+
+
+def _parse_json(text: str) -> Any:
+    """JSON text as values whose numbers keep what was written (1e999 is no float)."""
+    return json.loads(text, parse_float=decimal.Decimal, parse_constant=_not_json)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _json_text(value: Any) -> str:
+    """A value _parse_json read, as JSON text again, its numbers as written."""
+    if isinstance(value, dict):
+        items = (f"{_json_text(k)}: {_json_text(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_json_text(v) for v in value) + "]"
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)
 
 
 def read_hermes(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
@@ -707,12 +729,12 @@ def read_mistral(text: str, names: set[str] | None = None) -> tuple[str | None, 
     if start < 0:
         return text, []
     try:
-        listed = json.loads(text[start + len(MISTRAL_CALLS) :])
-    except (json.JSONDecodeError, RecursionError):
+        listed = _parse_json(text[start + len(MISTRAL_CALLS) :])
+        if not isinstance(listed, list) or not listed:
+            return None, []
+        calls = [_call_of(value, "arguments", names, ("id",)) for value in listed]
+    except (ValueError, RecursionError):
         return None, []
-    if not isinstance(listed, list) or not listed:
-        return None, []
-    calls = [_call_of(value, "arguments", names, ("id",)) for value in listed]
     if not all(calls):
         return None, []
     return text[:start].rstrip() or None, [c for c in calls if c is not None]
@@ -721,10 +743,10 @@ def read_mistral(text: str, names: set[str] | None = None) -> tuple[str | None, 
 def _read_call(text: str, arguments: str, names: set[str] | None) -> ToolCall | None:
     """A call written as JSON text (_call_of), or None."""
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        value = _parse_json(text)
+        return _call_of(value, arguments, names)
+    except (ValueError, RecursionError):
         return None
-    return _call_of(value, arguments, names)
 
 
 def _call_of(
@@ -740,8 +762,21 @@ def _call_of(
     if not isinstance(name, str) or (names is not None and name not in names):
         return None
     given = value[arguments]
-    text = given if isinstance(given, str) else json.dumps(given, ensure_ascii=False)
-    return ToolCall(name, text)
+    if isinstance(given, str):  # arguments a model wrote as a string of JSON
+        try:
+            given = _parse_json(given)
+        except (ValueError, RecursionError):
+            pass
+    return ToolCall(name, _json_text(given))
+
+
+class ReadAtEnd:
+    """Gives nothing as the output comes: all of it is read at the end."""
+
+    streamed = ""
+
+    def feed(self, piece: str) -> Iterator[str]:
+        yield from ()
 
 
 class StreamedUnlessCall:

@@ -1094,6 +1094,35 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
 
+def test_structured_output_that_could_not_be_whole_is_refused(chat_server: Server) -> None:
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"json_schema": {"$ref": "#"}}, "no complete match"),  # no JSON can end it
+        ({"grammar": 'start: "ab" x\nx: x "c"'}, "no complete match"),
+        ({"tools": [tool], "tool_choice": "required"}, "type"),  # arguments are an object
+        ({"json_schema": person, "stop": [","]}, "stop strings"),  # it would cut the object
+    ]
+    for fields, message in cases:
+        for stream in (False, True):
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **fields}
+            r = httpx.post(
+                chat_server.url + "/v1/chat/completions",
+                json={**body, "stream": stream},
+                timeout=60,
+            )
+            if stream and "grammar" in fields:
+                # It can start ("ab"): its dead end is found at the first step, after the 200.
+                assert r.status_code == 200, r.text
+                event = next(x for x in r.text.splitlines() if '"error"' in x)
+                error = json.loads(event.removeprefix("data:"))["error"]
+            else:
+                error = r.json()["error"]
+                assert r.status_code == 400, r.text
+            assert error["type"] == "invalid_request_error", r.text
+            assert message in error["message"] and "\n" not in error["message"], r.text
+
+
 def test_tokenize_and_detokenize_as_llama_server(chat_server: Server, smollm2_q40: Path) -> None:
     import llama_cpp
 

@@ -403,6 +403,39 @@ def test_streamed_or_not_the_content_is_the_same(syntax: str, text: str, content
         assert streamed + rest == content
 
 
+def test_arguments_and_answers_keep_the_numbers_the_model_wrote() -> None:
+    def strict(text: str) -> object:  # JSON.parse: no Infinity, no NaN
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text}"))
+
+    written = '{"x": 1e999, "y": 0.10000000000000000001, "z": [-1e-400, 12345678901234567890]}'
+    _, calls = read_output(f'{{"tool_calls": [{{"name": "f", "arguments": {written}}}]}}')
+    _, tagged = read_hermes(f'<tool_call>\n{{"name": "f", "arguments": {written}}}\n</tool_call>')
+    for arguments in (calls[0].arguments, tagged[0].arguments):
+        value = strict(arguments)
+        assert isinstance(value, dict) and value["z"][1] == 12345678901234567890
+        assert "0.10000000000000000001" in arguments  # not rounded to a float's 0.1
+    assert strict(read_output('{"response": -1e400}')[0] or "") is not None
+    assert read_output('{"response": NaN}') == (None, [])  # no JSON, no answer
+    # Arguments written as a string are JSON text all the same.
+    assert (
+        tagged
+        and read_hermes('<tool_call>\n{"name": "f", "arguments": "Paris"}\n</tool_call>')[1][
+            0
+        ].arguments
+        == '"Paris"'
+    )
+
+
+def test_a_string_answer_under_a_response_format_is_json_streamed_or_not() -> None:
+    tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, {"type": "string"}, GENERIC)
+    text = '{"response": "hello"}'
+    assert tools.output(text) == ('"hello"', [])
+    reader = tools.streamed()
+    streamed = "".join(reader.feed(text))
+    rest = "".join(c["delta"].get("content", "") for c in _answer_end(tools, reader, text))
+    assert streamed + rest == '"hello"'
+
+
 def test_llama3_output_is_one_call_or_text() -> None:
     functions = [{"name": "weather", "parameters": WEATHER}, {"name": "time", "parameters": {}}]
     for choice in ("auto", "required", "time"):
