@@ -1213,8 +1213,9 @@ class SpeculativeDecoder:
         output is the target's distribution restricted to what the grammar allows, drafts
         included (the draft model's distribution is masked the same way; an n-gram copy is cut
         at its first token the grammar forbids). A grammar that does
-        not compile raises ValueError naming the problem; output the grammar could not finish
-        within ``max_tokens`` ends with finish_reason "length".
+        not compile, or has no complete match, raises ValueError naming the problem, as does
+        ``stop`` beside a grammar (a stop string would cut it short); output the grammar could
+        not finish within ``max_tokens`` ends with finish_reason "length".
         ``logprobs=n`` (0-20) fills ``result.logprobs``: each token's log-probability under the
         target at its position (temperature 1, after logit_bias and penalties, masked by the
         grammar) and the n likeliest
