@@ -928,7 +928,8 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     "ngram_with_model",
     is_flag=True,
     envvar="SPECDEC_NGRAM",
-    help="With a draft model: copy n-gram matches too, where `auto` expects them to pay more.",
+    help="With a draft model: copy n-gram matches too, where `auto` expects them to pay more; "
+    "without one: n-gram drafting alone, as --draft ngram.",
 )
 @click.option(
     "--ngram-index-mb",
