@@ -989,6 +989,7 @@ def serve(
         MIN_NGRAM_INDEX_MB,
         ChatTemplate,
         GenerationSettings,
+        check_engine_sizes,
     )
 
     try:
@@ -1068,6 +1069,14 @@ def serve(
     for name, path in (("target", target), ("draft", draft_arg)):
         if path is not None and not path.is_file():
             raise click.ClickException(f"{name} model not found: {path}")
+    check_engine_sizes(  # a bad size is this command's error before it says it serves
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_parallel=n_parallel,
+        n_threads=n_threads,
+        n_gpu_layers=n_gpu_layers,
+        draft_n_gpu_layers=draft_n_gpu_layers,
+    )
     # The models load in the background (/health says 503 until they are ready); a load that
     # fails stops the server, and is this command's one-line error.
     running: list[Any] = []

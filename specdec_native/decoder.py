@@ -322,6 +322,26 @@ def _native_path(name: str, path: PathLike) -> str:
     return text
 
 
+def check_engine_sizes(
+    *,
+    n_ctx: int,
+    n_batch: int,
+    n_parallel: int,
+    n_threads: int | None,
+    n_gpu_layers: int,
+    draft_n_gpu_layers: int | None,
+) -> tuple[int, int]:
+    """The decoder's sizes checked (ValueError), before anything loads: the engine's thread
+    count (0: llama.cpp's default) and the draft's GPU layers."""
+    _check_int("n_ctx", n_ctx, 16, 1 << 20)
+    _check_int("n_batch", n_batch, 1, 1 << 16)
+    _check_int("n_parallel", n_parallel)
+    threads = 0 if n_threads is None else _check_int("n_threads", n_threads, 1, 1024)
+    _check_int("n_gpu_layers", n_gpu_layers, -1)
+    d_ngl = n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers
+    return threads, _check_int("draft_n_gpu_layers", d_ngl, -1)
+
+
 def _model_address(llm: Any) -> int:
     """The address of a llama_cpp.Llama's llama_model (0 for None or a closed one)."""
     if llm is None:
@@ -820,13 +840,14 @@ class SpeculativeDecoder:
         self._adaptive = _is_auto(n_draft)
         # Under "auto" every request is adaptive unless it names its own K: no default K.
         fixed_k = 0 if self._adaptive else _check_int("n_draft", n_draft)
-        _check_int("n_ctx", n_ctx, 16, 1 << 20)
-        _check_int("n_batch", n_batch, 1, 1 << 16)
-        _check_int("n_parallel", n_parallel)
-        threads = 0 if n_threads is None else _check_int("n_threads", n_threads, 1, 1024)
-        _check_int("n_gpu_layers", n_gpu_layers, -1)
-        d_ngl = n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers
-        _check_int("draft_n_gpu_layers", d_ngl, -1)
+        threads, d_ngl = check_engine_sizes(
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_parallel=n_parallel,
+            n_threads=n_threads,
+            n_gpu_layers=n_gpu_layers,
+            draft_n_gpu_layers=draft_n_gpu_layers,
+        )
         self._engine: _core.Engine | None = _core.Engine(
             target_path,
             draft_path,

@@ -527,6 +527,20 @@ def test_an_alias_or_key_that_is_no_text_is_refused(options: tuple[str, ...], me
     assert message in serve_refusal(*options)
 
 
+@pytest.mark.parametrize(
+    "option,message", [(("-t", "0"), "n_threads must be"), (("-c", "5"), "n_ctx must be")]
+)
+def test_a_bad_size_is_refused_before_serving(
+    tiny_pair: models.ModelPair, option: tuple[str, ...], message: str
+) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve", str(tiny_pair.target), *option, "--port", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = r.stderr.strip().splitlines()  # one line, and no "serving ... on" before it
+    assert r.returncode == 1 and len(lines) == 1 and message in lines[0], r.stderr
+
+
 def test_an_index_file_that_would_be_ignored_or_unsaved_is_refused(tmp_path: Path) -> None:
     file = str(tmp_path / "index.bin")
     for options in (
