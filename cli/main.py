@@ -291,9 +291,12 @@ def _chat_template_value(value: str | None) -> str | None:
     if value is None or not is_file:
         return value
     try:
-        return Path(value).read_text(encoding="utf-8")
+        text = Path(value).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise click.ClickException(f"cannot read the chat template {value}: {e}") from None
+    if not text.strip():
+        raise click.ClickException(f"the chat template file {value} is empty")
+    return text
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

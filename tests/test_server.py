@@ -506,8 +506,11 @@ def serve_refusal(*options: str) -> str:
 def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}")
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("\n")
     for value in ("no-such-template", str(bad)):
         assert "chat template" in serve_refusal("--chat-template", value)
+    assert "is empty" in serve_refusal("--chat-template", str(empty))
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "1e9", "0.00001"])
