@@ -663,16 +663,18 @@ class Server:
         except RequestError as e:
             return self._refuse(rid, e)
         self.vocab_calls += 1
+        job = self.vocab_pool.submit(lambda: json.dumps(work(decoder, read_json(raw))).encode())
+        # Counted until the thread is done with it, even where this handler is cancelled first.
+        loop = asyncio.get_running_loop()
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._vocab_call_done))
         try:
-            loop = asyncio.get_running_loop()
-            body = await loop.run_in_executor(
-                self.vocab_pool, lambda: json.dumps(work(decoder, read_json(raw))).encode()
-            )
+            body = await asyncio.wrap_future(job)
         except Exception as e:
             return self._refuse(rid, _refusal(e))
-        finally:
-            self.vocab_calls -= 1
         return Response(body, media_type="application/json")
+
+    def _vocab_call_done(self) -> None:
+        self.vocab_calls -= 1
 
     # -- requests ------------------------------------------------------------------------------
 
