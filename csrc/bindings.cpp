@@ -92,6 +92,9 @@ std::atomic<bool> g_sigint_caught{false};
 extern "C" void cancel_on_sigint(int /*signum*/) {
     g_sigint_caught.store(true);
     if (CancelFlag* f = g_interruptible.load()) f->requested.store(true);
+    // And Python's own handler, should a callback's Python code be running (or blocked in a
+    // wait that the signal interrupts): it raises there, as it would without the engine.
+    PyErr_SetInterruptEx(SIGINT);
 }
 
 // Python runs signal handlers on its main thread only, and only when that thread runs Python
@@ -208,13 +211,15 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     StartCallback start_cb;
     if (!on_start.is_none()) start_cb = [&] { with_gil([&] { on_start(); }); };
     GenerationResult result;
+    auto own_flag = std::make_shared<CancelFlag>();
+    own_flag->outer = request.cancel;
     try {
         result = interruptible(
             [&](const std::shared_ptr<CancelFlag>& flag) {
                 request.cancel = flag;
                 return engine.generate(request, text_cb, start_cb);
             },
-            request.cancel);
+            own_flag);
     } catch (...) {
         // A callback's exception is the cause of whatever unwound.
         if (pending.error) throw std::move(*pending.error);
@@ -247,7 +252,7 @@ PYBIND11_MODULE(_core, m) {
     py::class_<CancelFlag, std::shared_ptr<CancelFlag>>(m, "CancelFlag")
         .def(py::init<>())
         .def("cancel", [](CancelFlag& f) { f.requested.store(true); })
-        .def_property_readonly("cancelled", [](const CancelFlag& f) { return f.requested.load(); });
+        .def_property_readonly("cancelled", [](const CancelFlag& f) { return f.is_set(); });
 
     // One generation's settings, checked by the Python API; the engine checks them again.
     py::class_<GenerateRequest>(m, "Request")

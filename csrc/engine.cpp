@@ -16,8 +16,11 @@ constexpr auto kPollInterval = std::chrono::milliseconds(10);
 // How long the scheduler thread waits for work before it ends (a new request starts another).
 constexpr auto kSchedulerLinger = std::chrono::milliseconds(100);
 
+// Past this, a deadline is none: a clock's nanoseconds would overflow (at about 9e9 s).
+constexpr double kLongestDeadlineSeconds = 1e9;
+
 Deadline deadline_after(Clock::time_point start, double seconds) {
-    if (seconds <= 0) return std::nullopt;
+    if (seconds <= 0 || !(seconds < kLongestDeadlineSeconds)) return std::nullopt;
     return start +
            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
@@ -343,7 +346,7 @@ void Engine::run_exclusive(std::function<void()> work, std::shared_ptr<CancelFla
     wake_.notify_all();
     std::unique_lock<std::mutex> lock(job->mutex);
     while (!job->changed.wait_for(lock, kPollInterval, [&] { return job->done; })) {
-        if (job->started || !(job->cancel->requested.load() || closing_.load())) continue;
+        if (job->started || !(job->cancel->is_set() || closing_.load())) continue;
         lock.unlock();
         bool withdrawn = false;
         {

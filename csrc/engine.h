@@ -133,7 +133,7 @@ class Engine {
     // Whether the decode running must stop: shutdown(), or the exclusive job's own flag.
     bool stop_requested() const {
         const CancelFlag* job = job_cancel_.load();
-        return closing_.load() || (job && job->requested.load());
+        return closing_.load() || (job && job->is_set());
     }
     // llama.cpp's abort callback: lets a long decode stop part-way.
     static bool abort_requested(void* engine) {

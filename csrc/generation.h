@@ -40,6 +40,10 @@ inline double seconds_since(Clock::time_point start) {
 // Set from any thread to stop one request ("cancelled"), whether it runs or still waits.
 struct CancelFlag {
     std::atomic<bool> requested{false};
+    // A call's own flag (what its failing callback or Ctrl-C sets) stops it when the caller's
+    // flag, `outer`, is set too; setting it leaves the caller's flag, shared perhaps, as it is.
+    std::shared_ptr<const CancelFlag> outer;
+    bool is_set() const { return requested.load() || (outer && outer->is_set()); }
 };
 
 // Sampling with a draft model: drafts sampled from q and accepted with min(1, p/q) accept
@@ -126,7 +130,7 @@ struct RequestChannel {
         if (!r.cancel) r.cancel = std::make_shared<CancelFlag>();
         return r;
     }
-    bool cancel_requested() const { return request.cancel->requested.load(); }
+    bool cancel_requested() const { return request.cancel->is_set(); }
     bool past_deadline() const { return deadline && Clock::now() >= *deadline; }
 
     const GenerateRequest request;

@@ -315,6 +315,8 @@ def _native_path(name: str, path: PathLike) -> str:
     text = os.fspath(path)
     if not isinstance(text, str):
         raise TypeError(f"{name} must be a str path, got bytes")
+    if "\0" in text:
+        raise ValueError(f"{name} holds a NUL character: {text!r}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -340,6 +342,15 @@ def check_engine_sizes(
     _check_int("n_gpu_layers", n_gpu_layers, -1)
     d_ngl = n_gpu_layers if draft_n_gpu_layers is None else draft_n_gpu_layers
     return threads, _check_int("draft_n_gpu_layers", d_ngl, -1)
+
+
+def _close_borrower(decoder: weakref.ref[SpeculativeDecoder], engine: _core.Engine) -> None:
+    """What a Llama's closing does to a decoder from_llama made on it."""
+    live = decoder()
+    if live is not None:
+        live.close()
+    else:
+        engine.shutdown()
 
 
 def _model_address(llm: Any) -> int:
@@ -895,8 +906,9 @@ class SpeculativeDecoder:
         """A decoder on the models of ``llama_cpp.Llama`` objects you already have: their
         weights are used as loaded, not loaded again; the decoder has its own contexts.
         ``draft`` is another ``Llama``, "ngram", or None; other arguments as for the
-        constructor (``n_ctx`` defaults to the target Llama's). Keep the Llama objects open
-        while the decoder is in use: after one is closed the decoder raises EngineClosedError.
+        constructor (``n_ctx`` defaults to the target Llama's). Closing one of the Llama objects
+        closes the decoder first (a generation running ends "cancelled"); it then raises
+        EngineClosedError.
         """
         draft_llm = None if draft is None or isinstance(draft, str) else draft
         for name, llm in (("target", target), ("draft", draft_llm)):
@@ -906,12 +918,19 @@ class SpeculativeDecoder:
         kwargs.setdefault("n_gpu_layers", int(target.model_params.n_gpu_layers))
         if draft_llm is not None:
             kwargs.setdefault("draft_n_gpu_layers", int(draft_llm.model_params.n_gpu_layers))
-        return cls(
+        decoder = cls(
             target.model_path,
             draft if draft_llm is None else draft_llm.model_path,
             _borrow=(target, draft_llm),
             **kwargs,
         )
+        for llm in (target, draft_llm):
+            # Closing a Llama first closes the decoder, a generation running included, before
+            # llama-cpp-python frees the weights it uses (its stack runs last in, first out).
+            stack = getattr(llm, "_stack", None)
+            if stack is not None and decoder._engine is not None:
+                stack.callback(_close_borrower, weakref.ref(decoder), decoder._engine)
+        return decoder
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -938,10 +957,10 @@ class SpeculativeDecoder:
 
     def _live(self) -> _core.Engine:
         _check_not_forked()
-        if self._engine is None:
-            raise EngineClosedError("this SpeculativeDecoder is closed")
         if any(llm.model is None for llm in self._borrowed):
             raise EngineClosedError("a llama_cpp.Llama whose weights this decoder uses was closed")
+        if self._engine is None:
+            raise EngineClosedError("this SpeculativeDecoder is closed")
         return self._engine
 
     # -- properties ------------------------------------------------------------------------

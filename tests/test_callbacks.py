@@ -86,6 +86,12 @@ def test_an_exception_in_the_callback_propagates(fresh: sd.SpeculativeDecoder) -
     with pytest.raises(KeyError, match="from the callback"):
         fresh.generate("the cat", 8, on_text=boom)
     assert len(fresh.generate("the", 3).tokens) == 3
+    # It ends its own call only: the caller's flag, which other calls may share, stays unset.
+    flag = sd.CancelFlag()
+    with pytest.raises(KeyError):
+        fresh.generate("the cat", 8, on_text=boom, cancel=flag)
+    assert not flag.cancelled
+    assert fresh.generate("the", 3, cancel=flag).finish_reason == "length"
 
 
 def test_another_decoder_may_run_inside_a_callback(

@@ -250,6 +250,8 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
         with pytest.raises(OSError, match="cannot write"):
             dec.save_ngram_index(tmp_path / "a-dir")
         assert not (tmp_path / "a-dir.tmp").exists()
+        with pytest.raises(ValueError, match="NUL"):  # not a save to the path's first part
+            dec.save_ngram_index(f"{path}\0.bak")
     with sd.SpeculativeDecoder(
         tiny_pair.target, "ngram", n_draft=3, n_ctx=128, ngram_index_mb=1
     ) as dec:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -153,6 +154,38 @@ def test_generation_does_not_wait_for_a_busy_python_thread(tiny_pair: models.Mod
     assert len(r.tokens) == 600
     # Taking the GIL on any decode would have waited for the whole busy spell.
     assert r.stats.t_total < busy_seconds / 2, r.stats.t_total
+
+
+def test_ctrl_c_interrupts_a_callback_that_waits(tiny_pair: models.ModelPair) -> None:
+    script = textwrap.dedent(f"""
+        import signal, threading, time, specdec_native as sd
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        dec = sd.SpeculativeDecoder({str(tiny_pair.target)!r}, n_ctx=256, n_threads=1)
+        flag = sd.CancelFlag()
+
+        def wait_forever(text):
+            print("waiting", flush=True)
+            threading.Event().wait()
+
+        try:
+            dec.generate("the cat", 8, on_text=wait_forever, cancel=flag)
+        except KeyboardInterrupt:
+            print("interrupted", flag.cancelled, flush=True)
+        print("after", dec.generate("the", 3, cancel=flag).finish_reason, flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        proc.send_signal(signal.SIGINT)
+        assert select.select([proc.stdout], [], [], 5.0)[0], "Ctrl-C did not end the wait"
+        line = proc.stdout.readline().strip()
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    # As without the engine: KeyboardInterrupt in the callback's wait; the caller's flag unset.
+    assert line == "interrupted False"
+    assert "after length" in rest
 
 
 def test_two_quick_ctrl_c_exit_130_with_one_line(deep_pair: models.ModelPair) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,10 @@ def test_a_timeout_ends_the_request(deep: sd.SpeculativeDecoder) -> None:
     assert 0 < len(r.tokens) < 1000
     assert r.stats.t_total < 5.0
     assert deep.generate("Hi", 3).finish_reason == "length"
+    # A timeout beyond what a clock counts in nanoseconds is no timeout, not one already past.
+    for far in (1e10, 1e30):
+        assert deep.generate("Hi", 3, timeout=far).finish_reason == "length", far
+    assert deep.generate("Hi", 3, deadline=time.monotonic() + 1e10).finish_reason == "length"
 
 
 def test_a_timeout_while_waiting_for_the_decoder(deep: sd.SpeculativeDecoder) -> None:
@@ -214,5 +219,14 @@ def test_from_llama_with_a_draft_llama_and_after_close(smollm2: Path, smollm2_q4
         dec.generate("Hi", 2)
     dec.close()
     target.close()
+    # A Llama closed while a generation runs on its weights: the generation ends first.
+    target = llama_cpp.Llama(str(smollm2), n_ctx=512, verbose=False)
+    dec = sd.SpeculativeDecoder.from_llama(target, "ngram", n_draft=3)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(dec.generate, "Once upon a time", 400, logit_bias={2: -100})
+        time.sleep(0.5)
+        target.close()
+        assert running.result(timeout=60).finish_reason == "cancelled"
+    assert dec.closed
     with pytest.raises(ValueError, match="no loaded model"):
         sd.SpeculativeDecoder.from_llama(target)
