@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdec_native import _core
@@ -66,6 +67,8 @@ WARM_UP_BOUND = 20.0
 # as requests past the queue do: each holds its body, up to MAX_BODY_BYTES).
 VOCAB_THREADS = 2
 VOCAB_CALLS_ADMITTED = 16
+# A body slower than this (a client that stalls half-way) gets a 408: it holds an admission.
+BODY_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -500,6 +503,8 @@ class Server:
         self.decoder: SpeculativeDecoder | None = None
         self.ready = False
         self.draining = False  # SIGTERM came: no new work
+        # Set with `draining`: wakes the bodies still arriving (made on the server's loop).
+        self.drained: asyncio.Event | None = None
         self.index_refused = False  # the n-gram index file was not ours to load
         self.load_error: str | None = None
         self.admitted = 0  # requests past admission: parsing, waiting for a slot or running
@@ -514,6 +519,7 @@ class Server:
         loop; /health answers 503 until the models are loaded and the warm-up is done or has
         taken WARM_UP_BOUND seconds."""
         loop = self.loop = asyncio.get_running_loop()
+        self.drained = asyncio.Event()
         try:
             self.decoder = await loop.run_in_executor(None, self.load)
             await loop.run_in_executor(None, self._load_index, self.decoder)
@@ -562,7 +568,9 @@ class Server:
             log.error("n-gram index not saved: %s", e)
 
     def _warm_up(self, decoder: SpeculativeDecoder) -> None:
-        decoder.generate("Hello", 4, n_draft=self.settings.n_draft, temperature=0.0)
+        decoder.generate(
+            "Hello", 4, n_draft=self.settings.n_draft, temperature=0.0, ngram_index=False
+        )
 
     def _warmed_up_late(self, warm_up: asyncio.Future[None]) -> None:
         if warm_up.cancelled():
@@ -594,6 +602,8 @@ class Server:
         if self.draining:
             return
         self.draining = True
+        if self.drained is not None:
+            self.drained.set()
         for run in list(self.runs):
             if not run.started.is_set():
                 run.cancel("shutdown")
@@ -656,13 +666,19 @@ class Server:
         rid = "vocab-" + uuid.uuid4().hex
         try:
             self.check_auth(request)
-            raw = await _read_body(request)
             decoder = self.open_decoder()
             if self.vocab_calls >= VOCAB_CALLS_ADMITTED:
                 raise _at_capacity()
         except RequestError as e:
             return self._refuse(rid, e)
-        self.vocab_calls += 1
+        self.vocab_calls += 1  # before the body arrives: admitted calls bound what bodies hold
+        try:
+            raw = await self.read_body(request)
+        except BaseException as e:
+            self._vocab_call_done()
+            if isinstance(e, RequestError):
+                return self._refuse(rid, e)
+            raise
         job = self.vocab_pool.submit(lambda: json.dumps(work(decoder, read_json(raw))).encode())
         # Counted until the thread is done with it, even where this handler is cancelled first.
         loop = asyncio.get_running_loop()
@@ -676,6 +692,24 @@ class Server:
     def _vocab_call_done(self) -> None:
         self.vocab_calls -= 1
 
+    async def read_body(self, request: Request) -> bytes:
+        """The body, within bounds (size, BODY_SECONDS); a 503 once the server drains."""
+        assert self.drained is not None  # requests come once the server has started
+        reading = asyncio.ensure_future(_read_body(request))
+        drained = asyncio.ensure_future(self.drained.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {reading, drained}, timeout=BODY_SECONDS, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            drained.cancel()
+        if reading in done:
+            return reading.result()
+        reading.cancel()
+        if drained in done:
+            raise _shutting_down()
+        raise RequestError(408, f"the request body took over {BODY_SECONDS:g} s to arrive")
+
     # -- requests ------------------------------------------------------------------------------
 
     async def handle(self, request: Request, chat: bool) -> Response:
@@ -683,10 +717,16 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
             self.check_auth(request)
-            raw = await _read_body(request)
-            self.admit()
+            self.admit()  # before the body: admitted requests bound what bodies hold
         except RequestError as e:
             return self._refuse(rid, e)
+        try:
+            raw = await self.read_body(request)
+        except BaseException as e:
+            self.release()
+            if isinstance(e, RequestError):
+                return self._refuse(rid, e)
+            raise
         assert self.decoder is not None
         try:
             job = _job(parse_body(read_json(raw), chat), self.decoder, self.settings)
@@ -980,6 +1020,12 @@ def create_app(
     @app.exception_handler(RequestError)
     async def request_error(_: Request, e: RequestError) -> JSONResponse:
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # An unknown path, a wrong method: in OpenAI's shape too.
+        headers = dict(e.headers) if e.headers else None
+        return RequestError(e.status_code, str(e.detail), headers=headers).response()
 
     # The endpoints read their bodies themselves, within bounds (openai_api.read_json); their
     # OpenAPI entries say what the body models take.

@@ -158,8 +158,17 @@ def test_a_stream_cut_at_the_grace_limit_ends_cleanly_and_queued_requests_get_50
                 pool.submit(httpx.post, url, json={**body, "stream": True}, timeout=60),
             ]
             wait_for("two waiting", lambda: s.metrics()["specdec:num_requests_waiting"] == 2)
+            # A body that stalls half-way: admitted before it arrives, refused at SIGTERM.
+            stalled = socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])), 10)
+            stalled.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"prompt": '
+            )
+            wait_for("three waiting", lambda: s.metrics()["specdec:num_requests_waiting"] == 3)
             signalled = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
+            stalled_answer = stalled.recv(4096)
+            stalled.close()
             refused = [f.result() for f in queued]
             refused_after = time.monotonic() - signalled
             events += [line for line in lines if line]
@@ -170,6 +179,7 @@ def test_a_stream_cut_at_the_grace_limit_ends_cleanly_and_queued_requests_get_50
     for r in refused:
         assert r.status_code == 503 and r.headers["retry-after"]
         assert r.json()["error"]["code"] == "shutting_down"
+    assert stalled_answer.startswith(b"HTTP/1.1 503") and b'"shutting_down"' in stalled_answer
     assert refused_after < 1.5  # at once, not after the grace period
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2].removeprefix("data: "))
