@@ -672,13 +672,9 @@ class Server:
         except RequestError as e:
             return self._refuse(rid, e)
         self.vocab_calls += 1  # before the body arrives: admitted calls bound what bodies hold
-        try:
-            raw = await self.read_body(request)
-        except BaseException as e:
-            self._vocab_call_done()
-            if isinstance(e, RequestError):
-                return self._refuse(rid, e)
-            raise
+        raw = await self.admitted_body(request, rid, self._vocab_call_done)
+        if isinstance(raw, Response):
+            return raw
         job = self.vocab_pool.submit(lambda: json.dumps(work(decoder, read_json(raw))).encode())
         # Counted until the thread is done with it, even where this handler is cancelled first.
         loop = asyncio.get_running_loop()
@@ -691,6 +687,19 @@ class Server:
 
     def _vocab_call_done(self) -> None:
         self.vocab_calls -= 1
+
+    async def admitted_body(
+        self, request: Request, rid: str, release: Callable[[], None]
+    ) -> bytes | Response:
+        """An admitted request's body; or, where it cannot be read, its admission released and
+        the refusal to answer with."""
+        try:
+            return await self.read_body(request)
+        except BaseException as e:
+            release()
+            if isinstance(e, RequestError):
+                return self._refuse(rid, e)
+            raise
 
     async def read_body(self, request: Request) -> bytes:
         """The body, within bounds (size, BODY_SECONDS); a 503 once the server drains."""
@@ -720,13 +729,9 @@ class Server:
             self.admit()  # before the body: admitted requests bound what bodies hold
         except RequestError as e:
             return self._refuse(rid, e)
-        try:
-            raw = await self.read_body(request)
-        except BaseException as e:
-            self.release()
-            if isinstance(e, RequestError):
-                return self._refuse(rid, e)
-            raise
+        raw = await self.admitted_body(request, rid, self.release)
+        if isinstance(raw, Response):
+            return raw
         assert self.decoder is not None
         try:
             job = _job(parse_body(read_json(raw), chat), self.decoder, self.settings)
