@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "engine.h"
+#include "errors.h"
 
 namespace specdec {
 
@@ -170,6 +171,8 @@ void Engine::add_prompt_chunks(int budget, int room) {
         try {
             room -= g->add_prefill(target_batch_, share.rows);
             prefilled_.push_back(g);
+        } catch (const Cancelled&) {  // the engine is closing: every request ends "cancelled"
+            throw;
         } catch (...) {  // its draft's decode failed
             failed_.emplace_back(g->seq(), std::current_exception());
             continue;
