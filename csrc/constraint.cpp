@@ -237,8 +237,8 @@ std::unique_ptr<Constraint> ConstraintVocab::compile(const std::string& kind,
         throw ConstraintError("llguidance's token mask does not fit this vocabulary");
     // A grammar with no first token (a schema that only refers to itself, say) is refused now,
     // before the request is answered, rather than at its first step.
-    constraint->check_grammar(a.matcher_compute_mask_into(
-        matcher, constraint->mask_.data(), constraint->mask_.size() * sizeof(uint32_t)));
+    constraint->check(a.matcher_compute_mask_into(matcher, constraint->mask_.data(),
+                                                  constraint->mask_.size() * sizeof(uint32_t)));
     return constraint;
 }
 
@@ -247,27 +247,23 @@ Constraint::Constraint(void* matcher, int n_vocab)
 
 Constraint::~Constraint() { api.free_matcher(matcher_); }
 
+// The engine only feeds the matcher tokens its mask allowed, so an error is the grammar's: one
+// with no complete match (a rule that only recurses, a schema that refers only to itself), or
+// one past llguidance's limits. ConstraintError, with llguidance's first line (the lines after
+// it dump its parser's state).
 void Constraint::check(int32_t status) {
-    if (status >= 0 && !api.matcher_is_error(matcher_)) return;
-    const char* why = api.matcher_get_error(matcher_);
-    throw std::runtime_error(std::string("the grammar failed: ") + (why ? why : "unknown error"));
-}
-
-// Where the grammar itself has no way on, the request's grammar is at fault: ConstraintError,
-// with llguidance's first line (the lines after it dump its parser's state).
-void Constraint::check_grammar(int32_t status) {
     if (status >= 0 && !api.matcher_is_error(matcher_)) return;
     const char* why = api.matcher_get_error(matcher_);
     std::string first = why ? why : "no reason given";
     first = first.substr(0, std::min(first.find('\n'), size_t{300}));
-    throw ConstraintError("the grammar has no complete match (llguidance: " + first + ")");
+    throw ConstraintError("the grammar has no complete match within llguidance's limits (" + first +
+                          ")");
 }
 
 void Constraint::mask(float* logits) { mask(logits, n_vocab_); }
 
 bool Constraint::mask(float* logits, int n) {
-    check_grammar(
-        api.matcher_compute_mask_into(matcher_, mask_.data(), mask_.size() * sizeof(uint32_t)));
+    check(api.matcher_compute_mask_into(matcher_, mask_.data(), mask_.size() * sizeof(uint32_t)));
     constexpr float kForbidden = -std::numeric_limits<float>::infinity();
     const int n_known = std::min(n, n_vocab_);
     bool any = false;
@@ -306,7 +302,7 @@ void Constraint::forced_tokens(std::vector<llama_token>& out, size_t max) {
     const int32_t n = max == 0 ? 0
                                : api.matcher_compute_ff_tokens(
                                      matcher_, reinterpret_cast<uint32_t*>(out.data()), max);
-    check_grammar(n);
+    check(n);
     out.resize(static_cast<size_t>(n));
 }
 

@@ -74,10 +74,8 @@ class Constraint {
   private:
     friend class ConstraintVocab;
     Constraint(void* matcher, int n_vocab);
-    // Throws for a matcher in its error state, with its message: std::runtime_error, or
-    // ConstraintError where the grammar has no way on (the request's fault, not the engine's).
+    // Throws ConstraintError for a matcher in its error state, with its message.
     void check(int32_t status);
-    void check_grammar(int32_t status);
     void* matcher_;  // LlgMatcher*
     int n_vocab_;
     std::vector<uint32_t> mask_;  // one bit per token, as llguidance writes it

@@ -766,7 +766,10 @@ class GenerationSettings:
         request.frequency_penalty = self.frequency_penalty
         request.repeat_penalty = self.repeat_penalty
         request.repeat_last_n = self.repeat_last_n
-        request.ngram_index = self.ngram_index
+        # The index changes with every request served: drafts from it would make a seed's
+        # sampled text depend on what came before (greedy text does not).
+        repeatable = self.seed is not None and self.temperature > 0 and not adaptive
+        request.ngram_index = self.ngram_index and not repeatable
         if self.constraint is not None:
             _load_llguidance()
             request.constraint_kind, request.constraint = self.constraint

@@ -294,7 +294,7 @@ class _Generation(_Body):
             if schema is None and self.json_schema is None:
                 return _ANY_OBJECT
         if self.json_schema is not None:
-            if schema is not None:
+            if schema is not None or (fmt is not None and fmt.type != "text"):
                 raise BodyError("give response_format or json_schema, not both", "json_schema")
             schema = self.json_schema
         return schema  # type: ignore[no-any-return]
@@ -495,6 +495,8 @@ def validated(body: Any, model: type[Body]) -> Body:
         error = e.errors(include_url=False, include_input=False)[0]
         param = _field_path(error["loc"])
         msg = str(error["msg"]).removeprefix("Value error, ")
+        if not param:  # a check of the whole body: its message names the fields
+            raise BodyError(msg) from None
         raise BodyError(f"'{param}': {msg}", param=param.split(".")[0].split("[")[0]) from None
 
 

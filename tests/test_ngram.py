@@ -227,6 +227,21 @@ def test_index_drafts_keep_the_distribution(tiny_dir: Path) -> None:
     assert homogeneity_pvalue(counts["base"], counts["wrong"]) < 1e-6
 
 
+def test_a_seed_repeats_sampled_text_whatever_the_index_holds(
+    tiny_pair: models.ModelPair,
+) -> None:
+    prompt = [1, 300, 270]
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, "ngram", n_draft=3, n_ctx=128, n_threads=1, ngram_index_mb=1
+    ) as dec:
+        first = dec.generate(prompt, 24, temperature=0.8, seed=7)
+        unseeded = [dec.generate(prompt, 24, temperature=0.8) for _ in range(4)]
+        assert sum(r.stats.drafted_by_index for r in unseeded) > 0  # the index is in play
+        again = dec.generate(prompt, 24, temperature=0.8, seed=7)
+    assert again.tokens == first.tokens
+    assert first.stats.drafted_by_index == again.stats.drafted_by_index == 0
+
+
 def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
     """A later decoder starts from a saved index: its first request copies what the first
     decoder's requests wrote. Files that are no index of this model are refused."""

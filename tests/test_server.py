@@ -254,6 +254,7 @@ def test_bad_requests_get_openai_shaped_errors(
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert match in error["message"] and error["type"] == "invalid_request_error"
+    assert not error["message"].startswith("'':") and error["param"] != ""  # no empty names
 
 
 def test_an_oversized_body_is_refused(chat_server: Server) -> None:
@@ -1125,6 +1126,8 @@ def test_structured_output_that_could_not_be_whole_is_refused(chat_server: Serve
     cases: list[tuple[dict[str, Any], str]] = [
         ({"json_schema": {"$ref": "#"}}, "no complete match"),  # no JSON can end it
         ({"grammar": 'start: "ab" x\nx: x "c"'}, "no complete match"),
+        ({"grammar": 'start: "x" start'}, "no complete match"),  # forced on, without an end
+        ({"response_format": {"type": "json_object"}, "json_schema": person}, "not both"),
         ({"tools": [tool], "tool_choice": "required"}, "type"),  # arguments are an object
         ({"json_schema": person, "stop": [","]}, "stop strings"),  # it would cut the object
     ]
@@ -1137,7 +1140,7 @@ def test_structured_output_that_could_not_be_whole_is_refused(chat_server: Serve
                 timeout=60,
             )
             if stream and "grammar" in fields:
-                # It can start ("ab"): its dead end is found at the first step, after the 200.
+                # It can start: its dead end is found at the first step, after the 200.
                 assert r.status_code == 200, r.text
                 event = next(x for x in r.text.splitlines() if '"error"' in x)
                 error = json.loads(event.removeprefix("data:"))["error"]
