@@ -9,6 +9,7 @@ moment corrects itself where it matters.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -68,8 +69,8 @@ def load(key_inputs: dict[str, Any]) -> tuple[list[float], list[float]] | None:
         if data["inputs"] != key_inputs:
             return None
         return [float(t) for t in data["verify_costs"]], [float(t) for t in data["draft_costs"]]
-    except (OSError, ValueError, KeyError, TypeError, OverflowError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        return None  # measured again, and stored over it
 
 
 def save(key_inputs: dict[str, Any], verify_costs: list[float], draft_costs: list[float]) -> None:
@@ -82,10 +83,11 @@ def save(key_inputs: dict[str, Any], verify_costs: list[float], draft_costs: lis
         "draft_costs": draft_costs,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    tmp = path.with_suffix(f".{os.getpid()}.part")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.part")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, path)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)

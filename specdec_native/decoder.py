@@ -14,6 +14,7 @@ import os
 import queue
 import random
 import re
+import sys
 import threading
 import time
 import warnings
@@ -415,15 +416,17 @@ class ChatTemplate:
         # role (as llama.cpp's Jinja rendering maps it).
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
-            return str(
-                self.jinja.render(
-                    **(variables or {}),
-                    messages=messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    # The prompt's tokenization adds the model's BOS: the text holds none.
-                    bos_token="",
-                    eos_token=eos_token,
+            return _within_budget(
+                lambda: str(
+                    self.jinja.render(
+                        **(variables or {}),
+                        messages=messages,
+                        tools=tools,
+                        add_generation_prompt=add_generation_prompt,
+                        # The prompt's tokenization adds the model's BOS: the text holds none.
+                        bos_token="",
+                        eos_token=eos_token,
+                    )
                 )
             )
         except jinja2.TemplateError as e:
@@ -434,6 +437,51 @@ class ChatTemplate:
             raise ValueError(
                 f"the chat template failed on these messages: {type(e).__name__}: {e}"
             ) from None
+
+
+# A chat template may come from a model file, which nobody vetted: its rendering is bounded in
+# time and in the memory it takes (a loop of loops, a string doubled in a loop).
+TEMPLATE_SECONDS = 2.0
+TEMPLATE_MEMORY_BYTES = 256 << 20
+TEMPLATE_REPEAT_ITEMS = 1_000_000
+
+
+class TemplateBudgetError(Exception):
+    pass
+
+
+def _within_budget(render: Callable[[], str]) -> str:
+    """render(), stopped past TEMPLATE_SECONDS or once the process holds TEMPLATE_MEMORY_BYTES
+    more than when it began: checked at every line the compiled template runs (Jinja compiles
+    to Python), so no loop escapes it."""
+    if sys.gettrace() is not None:  # a debugger or a coverage tool traces this thread
+        return render()
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+    statm = os.open("/proc/self/statm", os.O_RDONLY)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        return int(os.pread(statm, 64, 0).split()[1]) * page
+
+    most = resident() + TEMPLATE_MEMORY_BYTES
+
+    def guard(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise TemplateBudgetError(f"it ran for over {TEMPLATE_SECONDS:g} s")
+        if resident() > most:
+            raise TemplateBudgetError(f"it took over {TEMPLATE_MEMORY_BYTES >> 20} MiB")
+        return guard
+
+    def template_frames(frame: Any, event: str, arg: Any) -> Any:
+        # The template's own code holds its loops; Jinja's helpers are left untraced.
+        return guard if frame.f_code.co_filename == "<template>" else None
+
+    sys.settrace(template_frames)
+    try:
+        return render()
+    finally:
+        sys.settrace(None)
+        os.close(statm)
 
 
 def _is_jinja(text: str) -> bool:
@@ -525,9 +573,17 @@ def _compile_jinja(text: str) -> Any:
     def strftime_now(format: str) -> str:
         return time.strftime(format)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            # A repetition ('x' * 10**9) is the one operator that makes much from little.
+            if isinstance(right, int) and hasattr(left, "__len__"):
+                if len(left) * right > TEMPLATE_REPEAT_ITEMS:
+                    raise TemplateBudgetError("it repeats a value past 1,000,000 items")
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.filters["tojson"] = _to_json
@@ -535,6 +591,10 @@ def _compile_jinja(text: str) -> Any:
         return env.from_string(text)
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template is not a valid Jinja template: {e}") from None
+    except (RecursionError, SyntaxError, MemoryError) as e:  # nested past what Python compiles
+        raise ValueError(
+            f"the chat template is not a usable Jinja template: {type(e).__name__}"
+        ) from None
 
 
 # A grammar's kind (the engine's name) -> the generate() argument that gives it.

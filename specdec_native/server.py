@@ -734,7 +734,10 @@ class Server:
             return raw
         assert self.decoder is not None
         try:
-            job = _job(parse_body(read_json(raw), chat), self.decoder, self.settings)
+            body = parse_body(read_json(raw), chat)
+            # Off the event loop: a chat template's rendering may take its time budget.
+            loop = asyncio.get_running_loop()
+            job = await loop.run_in_executor(None, _job, body, self.decoder, self.settings)
         except Exception as e:  # a bad body, or a chat template that cannot take the messages
             self.release()
             return self._refuse(rid, _refusal(e))

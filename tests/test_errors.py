@@ -295,3 +295,45 @@ def test_one_settings_definition_checks_and_maps_once(tiny_decoder: sd.Speculati
         sd.GenerationSettings.checked(n_draft="fast")
     with pytest.raises(TypeError, match="GenerationSettings"):
         tiny_decoder.run([1, 300], {"max_tokens": 4})  # type: ignore[arg-type]
+
+
+DEEP_IFS = "{% if true %}" * 120 + "x" + "{% endif %}" * 120
+
+
+@pytest.mark.parametrize(
+    "template,why",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "2 s"),
+        ("{{ 'x' * 200000000 }}", "1,000,000 items"),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+            "MiB",
+        ),
+        (DEEP_IFS, "not a usable Jinja template"),  # past what Python compiles
+    ],
+)
+def test_a_chat_template_is_bounded_in_time_and_memory(
+    tiny_pair: models.ModelPair, template: str, why: str
+) -> None:
+    # A model file's template is not trusted: a loop of loops or a doubled string is refused.
+    with pytest.raises(ValueError, match=why):
+        with sd.SpeculativeDecoder(tiny_pair.target, n_ctx=64, chat_template=template) as dec:
+            dec.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_calibration_file_nested_past_parsing_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specdec_native import calibration
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    inputs = {"model": "m"}
+    path = calibration._path(inputs)
+    path.parent.mkdir(parents=True)
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    assert calibration.load(inputs) is None
+    path.unlink()
+    path.mkdir()  # a save that cannot be renamed into place leaves no part file
+    calibration.save(inputs, [1.0], [1.0])
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
