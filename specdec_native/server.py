@@ -710,11 +710,12 @@ class Server:
             done, _ = await asyncio.wait(
                 {reading, drained}, timeout=BODY_SECONDS, return_when=asyncio.FIRST_COMPLETED
             )
-        finally:
+        finally:  # this handler cancelled too: nothing reads on for it
             drained.cancel()
+            if not reading.done():
+                reading.cancel()
         if reading in done:
             return reading.result()
-        reading.cancel()
         if drained in done:
             raise _shutting_down()
         raise RequestError(408, f"the request body took over {BODY_SECONDS:g} s to arrive")
@@ -741,6 +742,9 @@ class Server:
         except Exception as e:  # a bad body, or a chat template that cannot take the messages
             self.release()
             return self._refuse(rid, _refusal(e))
+        except BaseException:  # this handler cancelled while the template rendered
+            self.release()
+            raise
         run = Run(self.decoder, job, rid, chat, arrived, on_start=self._update_gauges)
         self.runs.add(run)
         run.future.add_done_callback(lambda _: self._ended(run))

@@ -36,6 +36,28 @@ def raw_request(server: Server, path: str, body: dict[str, object]) -> socket.so
     return sock
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """A whole HTTP response from a raw socket: its headers, then its Content-Length's bytes
+    (they may come in separate packets)."""
+    data = b""
+    while b"\r\n\r\n" not in data and (chunk := sock.recv(4096)):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(
+            (
+                line.split(b":")[1]
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            ),
+            b"0",
+        )
+    )
+    while len(body) < length and (chunk := sock.recv(4096)):
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def wait_for(what: str, ok: object, seconds: float = 20) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -167,7 +189,7 @@ def test_a_stream_cut_at_the_grace_limit_ends_cleanly_and_queued_requests_get_50
             wait_for("three waiting", lambda: s.metrics()["specdec:num_requests_waiting"] == 3)
             signalled = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
-            stalled_answer = stalled.recv(4096)
+            stalled_answer = read_response(stalled)
             stalled.close()
             refused = [f.result() for f in queued]
             refused_after = time.monotonic() - signalled
