@@ -987,6 +987,7 @@ def serve(
     The sampling options are what a request that leaves the field out gets."""
     from specdec_native import SpeculativeDecoder, models
     from specdec_native.decoder import (
+        DEFAULT_N_BATCH,
         MAX_NGRAM_INDEX_MB,
         MAX_PARALLEL,
         MIN_NGRAM_INDEX_MB,
@@ -1030,21 +1031,20 @@ def serve(
     ChatTemplate.of(template)  # a bad one is this command's error, before the models load
     GenerationSettings.checked(**sampling).check_values()  # likewise a bad value
     _check_server_text(model_alias=model_alias, api_key=api_key)
+    ngram = draft is not None and str(draft) == "ngram"  # (the default pair's is a model)
     if ngram_index_file is not None:
-        drafts_ngrams = str(draft) == "ngram" or ngram_with_model
-        _check_index_file(ngram_index_file, drafts_ngrams and ngram_index_mb > 0)
+        _check_index_file(ngram_index_file, (ngram or ngram_with_model) and ngram_index_mb > 0)
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
         pair = models.default_pair(progress=progress)
         target, draft = pair.target, pair.draft
     configure_log(log_format)
-    ngram = draft is not None and str(draft) == "ngram"
     draft_arg = None if ngram else draft
     has_drafter = draft_arg is not None or ngram or ngram_with_model  # --ngram alone: n-grams
     settings = ServerSettings(
         model_alias=model_alias or target.name.removesuffix(".gguf"),
-        api_key=api_key or None,
+        api_key=api_key,  # an empty one was refused above
         n_parallel=n_parallel,
         max_queue=max_queue,
         request_timeout=request_timeout,
@@ -1074,7 +1074,7 @@ def serve(
             raise click.ClickException(f"{name} model not found: {path}")
     check_engine_sizes(  # a bad size is this command's error before it says it serves
         n_ctx=n_ctx,
-        n_batch=512,
+        n_batch=DEFAULT_N_BATCH,
         n_parallel=n_parallel,
         n_threads=n_threads,
         n_gpu_layers=n_gpu_layers,

@@ -325,6 +325,9 @@ def _native_path(name: str, path: PathLike) -> str:
     return text
 
 
+DEFAULT_N_BATCH = 512  # llama.cpp's default logical batch
+
+
 def check_engine_sizes(
     *,
     n_ctx: int,
@@ -884,7 +887,7 @@ class SpeculativeDecoder:
         *,
         n_draft: DraftLength = AUTO,
         n_ctx: int = 4096,
-        n_batch: int = 512,
+        n_batch: int = DEFAULT_N_BATCH,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         draft_n_gpu_layers: int | None = None,
