@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own tools (llama-server, llama-speculative-simple) for side-by-side
-# benchmarks, from the llama.cpp tree inside the pinned llama-cpp-python sdist, with the same CPU
-# flags as scripts/setup.sh. Nothing of llama.cpp enters this repository: the source is
+# benchmarks, from the llama.cpp tree inside the pinned llama-cpp-python sdist, with the same
+# flags as scripts/setup.sh (CMAKE_ARGS included: a CUDA build of specdec is compared with a CUDA
+# build of llama.cpp). Nothing of llama.cpp enters this repository: the source is
 # unpacked and built under the cache.
 #
 #   scripts/build_llama_cpp_tools.sh        # prints the directory holding the binaries
@@ -14,7 +15,10 @@ source "$ROOT/scripts/setup.sh"
 VENV="${SPECDEC_VENV:-$ROOT/.venv}"
 WORK="$CACHE/llama-cpp-tools-$LLAMA_CPP_PYTHON_VERSION"
 BIN="$WORK/build/bin"
-if [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-speculative-simple" ]; then
+FLAGS="$(llama_cmake_args)"
+# A build made with other flags is built again.
+if [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-speculative-simple" ] &&
+    [ "$(cat "$WORK/build/specdec-flags" 2>/dev/null)" = "$FLAGS" ]; then
     echo "$BIN"
     exit 0
 fi
@@ -26,10 +30,11 @@ if [ ! -d "$WORK/src" ]; then
     mkdir -p "$WORK/src"
     tar -xzf "$WORK"/sdist/llama_cpp_python-*.tar.gz -C "$WORK/src" --strip-components=1
 fi
-log "building llama-server and llama-speculative-simple (several minutes, once)"
-# shellcheck disable=SC2046 # the flags are words
-cmake -S "$WORK/src/vendor/llama.cpp" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF \
-    $(cpu_cmake_args) >&2
+log "building llama-server and llama-speculative-simple (several minutes, once) with: $FLAGS"
+# The flags first: the options after them (the tools need the examples) take precedence.
+# shellcheck disable=SC2086 # the flags are words
+cmake -S "$WORK/src/vendor/llama.cpp" -B "$WORK/build" $FLAGS -DCMAKE_BUILD_TYPE=Release \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF >&2
 cmake --build "$WORK/build" -j "$(nproc)" --target llama-server llama-speculative-simple >&2
+echo "$FLAGS" > "$WORK/build/specdec-flags"
 echo "$BIN"

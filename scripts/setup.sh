@@ -10,6 +10,8 @@
 #                  When unset we build for this CPU *without* -march=native: some CPUs advertise AMX
 #                  but fault on its instructions (SIGILL in tilezero), so features are listed explicitly.
 set -euo pipefail
+# A failing command inside $(...) stops the script too (a failed wheel build, say).
+shopt -s inherit_errexit
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -26,6 +26,18 @@ def test_the_deployment_probes_health_and_is_scraped() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
     assert container["resources"]["requests"]["cpu"]
-    # SIGTERM drains within the pod's grace period.
+    # The pause before SIGTERM and the drain after it fit the pod's grace period.
     grace = next(e["value"] for e in container["env"] if e["name"] == "SPECDEC_GRACE")
-    assert float(grace) < pod["spec"]["terminationGracePeriodSeconds"]
+    pause = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep"
+    assert float(pause[1]) + float(grace) < pod["spec"]["terminationGracePeriodSeconds"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"]
+
+
+def test_the_image_runs_as_a_numeric_user_and_checks_its_own_port() -> None:
+    dockerfile = (DEPLOY.parent / "Dockerfile").read_text()
+    user = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    assert user and user[-1].isdigit()  # runAsNonRoot can verify only a numeric user
+    assert "SPECDEC_PORT" in dockerfile.split("HEALTHCHECK", 1)[1]
+    ignored = (DEPLOY.parent / ".dockerignore").read_text().split()
+    assert {".venv", "build", ".git"} <= set(ignored)
