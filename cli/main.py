@@ -651,8 +651,26 @@ def _float_list(text: str) -> list[float]:
 
 def _writable(path: Path | None, option: str) -> None:
     """Fails now, not after a long benchmark, when `path` cannot be written."""
-    if path is not None and not path.parent.is_dir():
+    if path is None:
+        return
+    if not path.parent.is_dir():
         raise click.ClickException(f"{option}: the directory {path.parent} does not exist")
+    if path.is_dir():
+        raise click.ClickException(f"{option}: {path} is a directory")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise click.ClickException(f"{option}: {path} cannot be written")
+
+
+def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """Writes a report through a part file moved into place: a failure or a kill leaves the
+    path as it was, never half a report."""
+    part = path.with_name(f"{path.stem}.{os.getpid()}.part{path.suffix}")  # the suffix: its format
+    try:
+        write(part)
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
 
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
@@ -665,6 +683,12 @@ def _check_plot(plot_out: Path | None, json_out: Path | None) -> None:
         raise click.ClickException(f"--plot: name a {', '.join(PLOT_FORMATS)} file")
     if json_out is not None and json_out.resolve() == plot_out.resolve():
         raise click.ClickException("--json and --plot name the same file")
+    from specdec_native.bench import pyplot
+
+    try:
+        pyplot()  # before the benchmark, not after it
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @cli.command()
@@ -760,6 +784,7 @@ def bench(
         raise click.UsageError("-k needs a draft: --draft MODEL or --draft ngram")
     if llama_cpp_bin is not None and not vs_llama_cpp and _given("llama_cpp_bin"):
         raise click.UsageError("--llama-cpp-bin applies to --vs-llama-cpp")
+    tools = vs.find_tools(llama_cpp_bin) if vs_llama_cpp else None  # before models are built
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -790,7 +815,12 @@ def bench(
     if vs_llama_cpp:
         if draft is None:
             raise click.UsageError("--vs-llama-cpp needs a draft model or --draft ngram")
-        comparison = vs.compare(target, draft, tools=vs.find_tools(llama_cpp_bin), **setup)
+        if str(draft) != "ngram" and not any(isinstance(k, int) and k > 0 for k in k_values):
+            raise click.UsageError(
+                "--vs-llama-cpp with a draft model runs llama.cpp at each fixed K: give one in -k"
+            )
+        assert tools is not None
+        comparison = vs.compare(target, draft, tools=tools, **setup)
         click.echo(vs.format_summary(comparison))
         _write_outputs(comparison.as_dict(), json_out, plot_out, lambda p: vs.plot(comparison, p))
     else:
@@ -812,9 +842,9 @@ def _write_outputs(
 ) -> None:
     """A benchmark's --json and --plot files, where asked for."""
     if json_out:
-        json_out.write_text(json.dumps(data, indent=1))
+        _write_whole(json_out, lambda p: p.write_text(json.dumps(data, indent=1)))
     if plot_out:
-        plot(plot_out)
+        _write_whole(plot_out, plot)
 
 
 @cli.command("bench-pool")
@@ -832,6 +862,7 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
 
     if len({p.resolve() for p in reports}) < len(reports):
         raise click.ClickException("a report is given twice: its rounds would count twice")
+    _writable(json_out, "--json")
     loaded = [b.load_report(p) for p in reports]
     pooled = b.pool_reports(loaded)
     for path, r in zip(reports, loaded):
@@ -851,7 +882,7 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     click.echo("\n" + b.ADAPTIVE_TITLE)
     click.echo(table)
     if json_out:
-        json_out.write_text(json.dumps(pooled.as_dict(), indent=1))
+        _write_whole(json_out, lambda p: p.write_text(json.dumps(pooled.as_dict(), indent=1)))
 
 
 @cli.command()

@@ -364,8 +364,16 @@ def format_table(report: BenchReport) -> str:
             f"{row['efficiency']:>7.2f}"
         )
     temps = sorted({r.temperature for r in report.runs})
-    lines.append("best K: " + ", ".join(f"T={t:g}: K={report.best_k(t)}" for t in temps))
+    lines.append("best K: " + ", ".join(f"T={t:g}: {_best_label(report, t)}" for t in temps))
     return "\n".join(lines)
+
+
+def _best_label(report: BenchReport, temperature: float) -> str:
+    k = report.best_k(temperature)
+    speedups = [r.speedup for r in report.runs if r.temperature == temperature and r.n_draft == k]
+    if k == 0 or statistics.mean(speedups) <= 1.0:
+        return "K=0 (no K beat target-only)"
+    return f"K={k}"
 
 
 def load_report(path: Path) -> BenchReport:

@@ -22,11 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec_native._paths import cache_base
 from specdec_native.bench import machine_info, pyplot, rotated
 from specdec_native.decoder import SpeculativeDecoder
 
-# Where scripts/build_llama_cpp_tools.sh leaves the binaries.
-DEFAULT_TOOLS = Path.home() / ".cache/specdec/llama-cpp-tools-0.3.36/build/bin"
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
 RUN_TIMEOUT_S = 600
 
@@ -74,7 +73,8 @@ class Comparison:
 
 def find_tools(directory: Path | None) -> Path:
     """The directory holding llama-speculative-simple; a clear error when it is not built."""
-    d = directory or Path(os.environ.get("SPECDEC_LLAMA_CPP_BIN", DEFAULT_TOOLS))
+    built = cache_base() / "llama-cpp-tools-0.3.36/build/bin"  # scripts/build_llama_cpp_tools.sh
+    d = directory or Path(os.environ.get("SPECDEC_LLAMA_CPP_BIN") or built)
     if not (d / "llama-speculative-simple").is_file():
         raise RuntimeError(
             f"llama-speculative-simple not found in {d}: build llama.cpp's tools with "
@@ -116,7 +116,9 @@ def llama_cpp_args(
     """The command line for one llama.cpp run. `spec` is an n-gram type or 'draft-simple K=k'.
     Sampling is plain temperature (no top-k/top-p/min-p), as in specdec's runs."""
     args = [str(tools / "llama-speculative-simple"), "-m", str(target), "-p", prompt]
-    args += ["-n", str(max_tokens), "--temp", str(temperature), "--seed", str(seed)]
+    # With -n N it generates N + 1 tokens (its loop ends past N); N - 1 makes it the same N.
+    n_predict = max(max_tokens - 1, 0)
+    args += ["-n", str(n_predict), "--temp", str(temperature), "--seed", str(seed)]
     args += ["--top-k", "0", "--top-p", "1", "--min-p", "0", "-c", str(n_ctx)]
     args += ["-t", str(n_threads), "-ngl", str(n_gpu_layers)]
     if spec.startswith("draft-simple"):

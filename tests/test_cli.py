@@ -452,6 +452,7 @@ def test_a_closed_stdin_without_a_prompt_is_an_error(tiny_pair: models.ModelPair
         (("--temps", ""), "numbers >= 0"),
         (("--seed", "-5"), "--seed must be in"),
         (("--json", "/nonexistent/dir/r.json"), "does not exist"),
+        (("--json", "/"), "is a directory"),
     ],
 )
 def test_bench_refuses_bad_options_before_loading(
@@ -552,8 +553,16 @@ def test_bench_vs_llama_cpp_without_its_tools(tiny_pair: models.ModelPair, tmp_p
         "--llama-cpp-bin", str(tmp_path),
     )  # fmt: skip
     assert_one_line_error(r, "build_llama_cpp_tools.sh")
+    # Found missing before the default pair is built.
     r = run_cli("bench", "--vs-llama-cpp", "--llama-cpp-bin", str(tmp_path))
-    assert r.returncode != 0
+    assert_one_line_error(r, "build_llama_cpp_tools.sh")
+    # With a draft model llama.cpp runs each fixed K: `auto` alone would compare nothing.
+    (tmp_path / "llama-speculative-simple").write_text("")
+    r = run_cli(
+        "bench", str(tiny_pair.target), "--draft", str(tiny_pair.draft), "-k", "auto",
+        "--vs-llama-cpp", "--llama-cpp-bin", str(tmp_path),
+    )  # fmt: skip
+    assert_one_line_error(r, "give one in -k")
 
 
 def test_llama_cpp_output_is_read() -> None:
@@ -569,6 +578,12 @@ def test_llama_cpp_output_is_read() -> None:
     assert abs(run.tokens_per_second - 145 / 1.159) < 1e-6
     with pytest.raises(RuntimeError, match="no speed"):
         vs.parse_output("error: failed to load model")
+    # Its loop runs past -n by one token: asked for one fewer, it generates what specdec does.
+    args = vs.llama_cpp_args(
+        Path("bin"), Path("t.gguf"), None, "ngram-mod", prompt="p", max_tokens=64,
+        temperature=0.0, seed=1, n_ctx=256, n_threads=2, n_gpu_layers=0,
+    )  # fmt: skip
+    assert args[args.index("-n") + 1] == "63"
 
 
 def test_ctrl_c_while_starting_is_quiet(tiny_pair: models.ModelPair) -> None:
