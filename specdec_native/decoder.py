@@ -415,9 +415,6 @@ class ChatTemplate:
     ) -> str:
         import jinja2
 
-        # OpenAI's "developer" role is the system message's to templates that know no such
-        # role (as llama.cpp's Jinja rendering maps it).
-        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
             return _within_budget(
                 lambda: str(
@@ -520,7 +517,7 @@ def _model_template(
     return ChatTemplate()
 
 
-_MESSAGE_TEXT = ("role", "content", "tool_call_id")
+_MESSAGE_TEXT = ("role", "content", "tool_call_id", "name")
 
 
 def _chat_message(i: int, m: Any) -> dict[str, Any]:
@@ -529,6 +526,10 @@ def _chat_message(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(m, dict) or "role" not in m or "content" not in m:
         raise ValueError("each message must be a dict with 'role' and 'content'")
     out: dict[str, Any] = {}
+    if m["role"] == "developer":
+        # OpenAI's "developer" role is the system message's, to Jinja templates and llama.cpp's
+        # built-in formats alike, none of which knows that role.
+        m = {**m, "role": "system"}
     if m.get("content") is None and m.get("tool_calls"):  # an assistant's calls alone
         m = {**m, "content": ""}
     for key in _MESSAGE_TEXT:

@@ -163,7 +163,7 @@ def quantize(src: Path, dst: Path, quant: str = "Q4_0", n_threads: int = 0) -> P
     params.ftype = QUANT_TYPES[quant]
     params.nthread = n_threads
     params.allow_requantize = True
-    tmp = dst.with_suffix(dst.suffix + ".part")
+    tmp = dst.with_suffix(f"{dst.suffix}.{os.getpid()}.part")  # another process may build it too
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
     if rc != 0:
         tmp.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from .tools import GENERIC, ToolCall, ToolError, ToolFormat, ToolSyntax, tool_format
+from .tools import Message as ToolMessage
 
 MAX_BODY_BYTES = 4 << 20
 MAX_NUMBER_DIGITS = 20  # 2**64 - 1 has 20: no field means anything past it
@@ -176,7 +177,9 @@ class _Generation(_Body):
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0, le=MAX_INT)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)
+    seed: Optional[int] = Field(
+        None, ge=-(1 << 63), le=(1 << 64) - 1, description="-1: a random seed, as llama-server's"
+    )
     stop: Union[str, list[str], None] = Field(
         None, description=f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters"
     )
@@ -236,6 +239,11 @@ class _Generation(_Body):
         if any(len(s) > MAX_STOP_CHARS for s in items):
             raise ValueError(f"strings are at most {MAX_STOP_CHARS} characters")
         return items
+
+    @property
+    def sampling_seed(self) -> int | None:
+        """The engine's seed: None for none or llama-server's -1 (random), else in [0, 2**64)."""
+        return None if self.seed is None or self.seed == -1 else self.seed % (1 << 64)
 
     @property
     def stops(self) -> list[str]:
@@ -334,8 +342,9 @@ class _Generation(_Body):
 
     @property
     def token_limit(self) -> int | None:
-        # llama-server's n_predict wins over max_tokens, as there.
-        for limit in (self.n_predict, self.max_tokens, self.max_completion_tokens):
+        # llama-server's n_predict wins over max_tokens, as there; OpenAI's current
+        # max_completion_tokens over its deprecated max_tokens, as vLLM reads them.
+        for limit in (self.n_predict, self.max_completion_tokens, self.max_tokens):
             if limit is not None:
                 return None if limit == -1 else limit
         return None
@@ -347,7 +356,7 @@ class ContentPart(_Body):
 
 
 class Message(_Body):
-    role: str = Field(min_length=1, max_length=64)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = Field(
         None, description="null only for an assistant's tool calls"
     )
@@ -359,7 +368,8 @@ class Message(_Body):
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content)
+        # Text parts are lines, as llama-server and vLLM join them.
+        return "\n".join(part.text or "" for part in self.content)
 
     @model_validator(mode="after")
     def _has_content(self) -> Message:
@@ -367,13 +377,15 @@ class Message(_Body):
             raise ValueError("'content' is needed (null only for an assistant's tool calls)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant's message has 'tool_calls'")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs 'tool_call_id', the id of the call it answers")
         return self
 
-    def for_tools(self) -> tuple[str, str | None, list[ToolCall], str | None]:
+    def for_tools(self) -> ToolMessage:
         calls = [
             ToolCall(c.function.name, c.function.arguments, c.id) for c in self.tool_calls or []
         ]
-        return (self.role, self.text, calls, self.tool_call_id)
+        return ToolMessage(self.role, self.text, calls, self.tool_call_id, self.name)
 
     @field_validator("content", mode="after")
     @classmethod
@@ -507,7 +519,8 @@ def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionReque
     for name, used in UNSUPPORTED.items():
         if name in body and used(body[name]):
             raise BodyError(f"'{name}' is not supported by this server", param=name)
-    if body.get("n") not in (None, 1) and type(body.get("n")) is int:
+    n = body.get("n")
+    if type(n) is int and n > 1:
         raise BodyError("'n' > 1 is not supported: send one request per choice", param="n")
     model: type[ChatCompletionRequest | CompletionRequest] = (
         ChatCompletionRequest if chat else CompletionRequest

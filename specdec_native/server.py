@@ -33,7 +33,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from specdec_native import _core
+from specdec_native import __version__, _core
 from specdec_native.decoder import (
     AUTO,
     EngineClosedError,
@@ -67,6 +67,8 @@ WARM_UP_BOUND = 20.0
 # as requests past the queue do: each holds its body, up to MAX_BODY_BYTES).
 VOCAB_THREADS = 2
 VOCAB_CALLS_ADMITTED = 16
+# Names the build that answered, as OpenAI's field does.
+SYSTEM_FINGERPRINT = f"specdec-{__version__}"
 # A body slower than this (a client that stalls half-way) gets a 408: it holds an admission.
 BODY_SECONDS = 60.0
 
@@ -298,7 +300,7 @@ def _job(
         # Without max_tokens, generate until the end token or a full context, as OpenAI does.
         max_tokens=min(body.token_limit or limit, limit),
         **_sampling(body, settings.sampling),
-        seed=None if body.seed is None else body.seed % (1 << 64),
+        seed=body.sampling_seed,
         stop=body.stops,
         n_draft=settings.n_draft if spec is None or spec.n_max is None else spec.n_max,
         draft_p_min=0.0 if spec is None else spec.p_min,
@@ -815,12 +817,16 @@ class Server:
         if run.chat and run.job.tools is not None:
             content, calls = run.job.tools.output(result.text)
             # No content beside calls is null, as OpenAI writes it.
-            choice["message"] = {"role": "assistant", "content": content or (None if calls else "")}
+            choice["message"] = {
+                "role": "assistant",
+                "content": content or (None if calls else ""),
+                "refusal": None,
+            }
             if calls:
                 choice["message"]["tool_calls"] = [call.openai() for call in calls]
                 choice["finish_reason"] = "tool_calls"
         elif run.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
+            choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
         else:
             choice["text"] = result.text
         return {
@@ -828,6 +834,7 @@ class Server:
             "object": "chat.completion" if run.chat else "text_completion",
             "created": int(time.time()),
             "model": self.settings.model_alias,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice],
             "usage": _usage(result),
             "timings": timings(result, run.waited(result)),
@@ -840,13 +847,17 @@ class Server:
         else:
             choice["text"] = text or ""
             choice["logprobs"] = None
-        return {
+        chunk: dict[str, Any] = {
             "id": run.rid,
             "object": "chat.completion.chunk" if run.chat else "text_completion",
             "created": int(time.time()),
             "model": self.settings.model_alias,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice],
         }
+        if run.job.include_usage:
+            chunk["usage"] = None  # as OpenAI's: only the last chunk has usage
+        return chunk
 
     def _logprobs(
         self, run: Run, entries: list[TokenLogprob] | None, offsets: TextOffsets | None = None

@@ -47,7 +47,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 MAX_TOOLS = 128
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -86,7 +86,14 @@ class Streamed(Protocol):
     def feed(self, piece: str) -> Iterator[str]: ...
 
 
-Message = tuple[str, "str | None", list[ToolCall], "str | None"]  # role, content, calls, call id
+class Message(NamedTuple):
+    """A chat message as the tool formats take it."""
+
+    role: str
+    content: str | None
+    calls: list[ToolCall]
+    call_id: str | None  # a tool message's: the call it answers
+    name: str | None = None  # OpenAI's participant name, or a tool message's function
 
 
 class ToolSyntax:
@@ -229,8 +236,8 @@ class _Mistral(_Templated):
     def chat(
         self, messages: list[Message], fmt: ToolFormat | None
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        for i, (role, _, _, call_id) in enumerate(messages):
-            if role == "tool" and call_id is None:
+        for i, m in enumerate(messages):
+            if m.role == "tool" and m.call_id is None:
                 raise ToolError(
                     f"messages[{i}]: a tool message needs the tool_call_id of its call "
                     "(this chat template writes each result with its call's id)"
@@ -590,9 +597,10 @@ def conversation(
     written in the generic format."""
     out: list[dict[str, str]] = []
     after_tool = False  # consecutive tool results share one user message
-    for role, content, calls, call_id in messages:
+    for role, content, calls, call_id, name in messages:
         if role == "tool":
-            result = {"tool_response": {"tool_call_id": call_id, "content": content or ""}}
+            named = {} if name is None else {"name": name}
+            result = {"tool_response": {"tool_call_id": call_id, **named, "content": content or ""}}
             text = json.dumps(result, ensure_ascii=False)
             if after_tool:
                 out[-1]["content"] += "\n" + text
@@ -604,7 +612,7 @@ def conversation(
         if role == "assistant" and calls:
             listed = [{"name": c.name, "arguments": _arguments(c)} for c in calls]
             content = json.dumps({"tool_calls": listed}, ensure_ascii=False)
-        out.append({"role": role, "content": content or ""})
+        out.append({"role": role, "content": content or ""} | _named(name))
     if format is not None:
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {
@@ -616,6 +624,11 @@ def conversation(
     return out
 
 
+def _named(name: str | None) -> dict[str, str]:
+    """A message's name for the chat template (llama.cpp's Jinja rendering passes it too)."""
+    return {} if name is None else {"name": name}
+
+
 def template_conversation(
     messages: list[Message], template_id: Callable[[str], str] = str
 ) -> list[dict[str, Any]]:
@@ -623,8 +636,8 @@ def template_conversation(
     tool_calls, tool_call_id) each, calls with their arguments as objects and their ids as
     `template_id` gives them."""
     out: list[dict[str, Any]] = []
-    for role, content, calls, call_id in messages:
-        message: dict[str, Any] = {"role": role, "content": content or ""}
+    for role, content, calls, call_id, name in messages:
+        message: dict[str, Any] = {"role": role, "content": content or ""} | _named(name)
         if calls:
             message["tool_calls"] = [
                 {

@@ -154,6 +154,51 @@ def test_completions_streamed_and_not(client: openai.OpenAI) -> None:
     assert "".join(pieces) and len(pieces) >= 2
 
 
+def test_fields_openai_clients_read_and_send(chat_server: Server) -> None:
+    """OpenAI's fields that its typed clients read (system_fingerprint, refusal, usage null
+    before the last chunk), and those newer clients send: max_completion_tokens over the
+    deprecated max_tokens, text parts as lines, llama-server's seed -1 (a random one)."""
+    url = chat_server.url + "/v1/chat/completions"
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]
+    body = {
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": 9,
+        "max_completion_tokens": 3,
+        "temperature": 0,
+    }
+    r = httpx.post(url, json=body, timeout=60).json()
+    assert r["system_fingerprint"].startswith("specdec-")
+    assert r["choices"][0]["message"]["refusal"] is None
+    assert r["usage"]["completion_tokens"] == 3
+    assert (
+        r["usage"]["prompt_tokens"]
+        == httpx.post(
+            url, json={**body, "messages": [{"role": "user", "content": "Say\nhello."}]}, timeout=60
+        ).json()["usage"]["prompt_tokens"]
+    )
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=streamed, timeout=60) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None and c["system_fingerprint"] for c in chunks[:-1])
+    # At a fixed K a fixed seed repeats its text: three sends would give one.
+    sampled = {
+        "prompt": "Once upon a time",
+        "max_tokens": 24,
+        "temperature": 1.5,
+        "seed": -1,
+        "speculative": {"n_max": 0},
+    }
+    texts = {
+        httpx.post(chat_server.url + "/v1/completions", json=sampled, timeout=60).json()["choices"][
+            0
+        ]["text"]
+        for _ in range(3)
+    }
+    assert len(texts) > 1  # a fixed seed would repeat one text
+
+
 def test_timings_in_llama_cpps_shape(chat_server: Server) -> None:
     body = {
         "prompt": "one two three one two three one two",
@@ -239,6 +284,14 @@ def test_speculation_can_be_turned_off_per_request(chat_server: Server) -> None:
         ("completions", {"prompt": "word " * 2000}, 400, "context"),
         ("completions", {"prompt": []}, 400, "prompt"),
         ("completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+        ("completions", {"prompt": "x", "n": 0}, 400, "greater than or equal to 1"),
+        ("chat/completions", {"messages": [{"role": "bogus", "content": "x"}]}, 400, "role"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]},
+            400,
+            "tool_call_id",
+        ),
     ],
 )
 def test_bad_requests_get_openai_shaped_errors(

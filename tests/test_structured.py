@@ -428,6 +428,14 @@ def test_a_models_own_template_that_takes_tools_renders_chats_without_them(
     # A template the caller names renders chats without tools.
     with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1, chat_template="chatml") as dec:
         assert dec.apply_chat_template(chat).startswith("<|im_start|>user\nhi")
+        # llama.cpp's built-in formats know no developer role either.
+        told = dec.apply_chat_template([{"role": "developer", "content": "Be brief."}, *chat])
+        assert told.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    # A message's name reaches a Jinja template, as llama.cpp passes it.
+    named = "{% for m in messages %}[{{ m.name }}] {{ m.content }}\n{% endfor %}"
+    with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1, chat_template=named) as dec:
+        given = [{"role": "user", "content": "hi", "name": "ann"}, *chat]
+        assert dec.apply_chat_template(given).startswith("[ann] hi\n[] hi")
     # A default template without tools beside a tool_use one that cannot render without them.
     chatml = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -120,12 +120,12 @@ def test_tool_calls_are_read_whole_and_nothing_is_streamed() -> None:
 def test_a_conversation_writes_calls_and_results_in_the_generic_format() -> None:
     calls = [ToolCall("add", '{"a": 1}', "c1"), ToolCall("mul", '{"b": 2}', "c2")]
     messages = [
-        ("user", "sums?", [], None),
-        ("assistant", None, calls, None),
-        ("tool", "1", [], "c1"),
-        ("tool", "2", [], "c2"),
-        ("assistant", "1 and 2", [], None),
-        ("tool", "3", [], "c3"),
+        Message("user", "sums?", [], None),
+        Message("assistant", None, calls, None),
+        Message("tool", "1", [], "c1"),
+        Message("tool", "2", [], "c2"),
+        Message("assistant", "1 and 2", [], None),
+        Message("tool", "3", [], "c3"),
     ]
     out = conversation(messages, None)
     assert [m["role"] for m in out] == ["user", "assistant", "user", "assistant", "user"]
@@ -286,7 +286,11 @@ def test_hermes_answers_may_go_on_into_calls() -> None:
 def test_a_template_sees_calls_and_results_as_they_were() -> None:
     calls = [ToolCall("add", '{"a": 1}', "c1")]
     out = template_conversation(
-        [("user", "sum?", [], None), ("assistant", None, calls, None), ("tool", "1", [], "c1")]
+        [
+            Message("user", "sum?", [], None),
+            Message("assistant", None, calls, None),
+            Message("tool", "1", [], "c1"),
+        ]
     )
     assert out == [
         {"role": "user", "content": "sum?"},
@@ -534,9 +538,9 @@ def test_mistral_templates_get_ids_they_take() -> None:
     client's ids reach them mapped, a call's and its result's alike."""
     call = ToolCall("f", "{}", "call_0123456789abcdef01234567")
     messages: list[Message] = [
-        ("user", "f?", [], None),
-        ("assistant", None, [call], None),
-        ("tool", "done", [], call.id),
+        Message("user", "f?", [], None),
+        Message("assistant", None, [call], None),
+        Message("tool", "done", [], call.id),
     ]
     tools = ToolFormat([{"name": "f", "parameters": {}}], "auto", True, None, MISTRAL)
     out, listed = MISTRAL.chat(messages, tools)
@@ -544,12 +548,12 @@ def test_mistral_templates_get_ids_they_take() -> None:
     assert re.fullmatch("[A-Za-z0-9]{9}", mapped) and out[2]["tool_call_id"] == mapped
     assert listed == tools.template_tools()
     kept = ToolCall("f", "{}", "a1b2c3d4e")
-    assert MISTRAL.chat([("assistant", None, [kept], None)], None)[0][0]["tool_calls"][0]["id"] == (
-        "a1b2c3d4e"
-    )
+    assert MISTRAL.chat([Message("assistant", None, [kept], None)], None)[0][0]["tool_calls"][0][
+        "id"
+    ] == ("a1b2c3d4e")
     # A result must name its call: the template writes each with its call's id.
     with pytest.raises(ToolError, match=r"messages\[2\]: a tool message needs the tool_call_id"):
-        MISTRAL.chat([*messages[:2], ("tool", "done", [], None)], tools)
+        MISTRAL.chat([*messages[:2], Message("tool", "done", [], None)], tools)
     # 9 characters that are not all letters and digits are mapped too.
     assert re.fullmatch("[A-Za-z0-9]{9}", MISTRAL.template_id("call_1234"))
     assert MISTRAL.template_id("call_1234") != "call_1234"
