@@ -344,6 +344,7 @@ PYBIND11_MODULE(_core, m) {
                  const BatchCosts batch = e.batch_costs();
                  py::dict d;
                  d["calibrated"] = p.calibrated();
+                 d["drafting_can_pay"] = p.calibrated() && p.can_ever_pay();
                  d["calibration_seconds"] = p.calibration_seconds();
                  d["acceptance"] = p.acceptance();
                  d["expected_rate"] =

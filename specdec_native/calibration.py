@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,23 @@ from specdec_native._paths import cache_base
 # 2: the draft cost became two, a decode of one token and of two.
 # 3: fastest timings from interleaved sweeps (csrc/cost_curve.h): curves stored before, from
 #    medians, may have been measured on a busy machine and are measured again.
-FORMAT = 3
+# 4: whether drafting can pay at these costs, and how many measurements in a row said it cannot.
+FORMAT = 4
+# A curve by which drafting can never pay ends speculation for good ("draft too slow"): it is
+# trusted once this many measurements in a row have said so, so that one measurement on a busy
+# moment does not decide it.
+CANNOT_PAY_CONFIRMATIONS = 2
+
+
+@dataclass(frozen=True)
+class Stored:
+    verify_costs: list[float]
+    draft_costs: list[float]
+    cannot_pay: int  # measurements in a row by which drafting could never pay; 0: it can
+
+    @property
+    def trusted(self) -> bool:
+        return self.cannot_pay == 0 or self.cannot_pay >= CANNOT_PAY_CONFIRMATIONS
 
 
 def _file_identity(path: Path) -> list[Any]:
@@ -62,25 +79,33 @@ def _path(key_inputs: dict[str, Any]) -> Path:
     return cache_base() / "calibration" / f"{digest[:24]}.json"
 
 
-def load(key_inputs: dict[str, Any]) -> tuple[list[float], list[float]] | None:
-    """The stored (verify costs, draft costs), or None when there are none that fit."""
+def load(key_inputs: dict[str, Any]) -> Stored | None:
+    """The stored curve, or None when there is none that fits."""
     try:
         data = json.loads(_path(key_inputs).read_text())
         if data["inputs"] != key_inputs:
             return None
-        return [float(t) for t in data["verify_costs"]], [float(t) for t in data["draft_costs"]]
+        cannot_pay = data["cannot_pay"]
+        if type(cannot_pay) is not int or cannot_pay < 0:
+            return None
+        return Stored(
+            [float(t) for t in data["verify_costs"]],
+            [float(t) for t in data["draft_costs"]],
+            cannot_pay,
+        )
     except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None  # measured again, and stored over it
 
 
-def save(key_inputs: dict[str, Any], verify_costs: list[float], draft_costs: list[float]) -> None:
+def save(key_inputs: dict[str, Any], curve: Stored) -> None:
     """Stores the curve; a cache that cannot be written is not an error (it is measured again
     next time)."""
     path = _path(key_inputs)
     record = {
         "inputs": key_inputs,
-        "verify_costs": verify_costs,
-        "draft_costs": draft_costs,
+        "verify_costs": curve.verify_costs,
+        "draft_costs": curve.draft_costs,
+        "cannot_pay": curve.cannot_pay,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     tmp = path.with_suffix(f".{os.getpid()}.part")

@@ -951,6 +951,7 @@ class SpeculativeDecoder:
         self.draft_path = draft_path
         # Where the "auto" policy's cost curve came from: None (not yet), "measured", "cache".
         self._calibration: str | None = None
+        self._cannot_pay_before = 0  # measurements in a row the stored curve could not pay by
         self._calibration_key = (
             calibration.inputs(
                 Path(target_path),
@@ -1230,8 +1231,11 @@ class SpeculativeDecoder:
         stored = calibration.load(self._calibration_key)
         if stored is None:
             return
+        if not stored.trusted:  # "draft too slow", not confirmed yet: the engine measures
+            self._cannot_pay_before = stored.cannot_pay
+            return
         try:
-            engine.set_calibration(*stored)
+            engine.set_calibration(stored.verify_costs, stored.draft_costs)
         except ValueError:  # written by another version, or damaged: measure instead
             return
         self._calibration = "cache"
@@ -1240,7 +1244,9 @@ class SpeculativeDecoder:
         state = engine.policy_state()
         if self._calibration_key is not None and state["calibrated"]:
             self._calibration = self._calibration or "measured"
-            calibration.save(self._calibration_key, state["verify_costs"], state["draft_costs"])
+            cannot_pay = 0 if state["drafting_can_pay"] else self._cannot_pay_before + 1
+            curve = calibration.Stored(state["verify_costs"], state["draft_costs"], cannot_pay)
+            calibration.save(self._calibration_key, curve)
 
     # -- generation ------------------------------------------------------------------------
 

@@ -3,6 +3,10 @@ $SPECDEC_CACHE, default ~/.cache/specdec)."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +14,7 @@ import pytest
 
 import specdec_native as sd
 from specdec_native import models
+from specdec_native._paths import cache_base
 
 # Target top-1 minus top-2 logit below which a greedy divergence is a float near-tie: batched
 # verification and one-token decoding use different kernels and accumulate different rounding
@@ -43,6 +48,19 @@ def pytest_configure(config: pytest.Config) -> None:
         defaults = sd.SpeculativeDecoder.__init__.__kwdefaults__
         assert defaults is not None
         defaults["n_gpu_layers"] = layers
+    _cache_of_its_own()
+
+
+def _cache_of_its_own() -> None:
+    """The tests (and the servers and commands they start) keep what they measure in a cache
+    of their own, sharing only the built models: costs measured while the suite loads the
+    machine must not become what `auto` reads afterwards."""
+    shared = cache_base()
+    (shared / "models").mkdir(parents=True, exist_ok=True)
+    own = Path(tempfile.mkdtemp(prefix="specdec-tests-"))
+    (own / "models").symlink_to(shared / "models", target_is_directory=True)
+    os.environ["SPECDEC_CACHE"] = str(own)
+    atexit.register(shutil.rmtree, own, ignore_errors=True)
 
 
 PROMPTS = [

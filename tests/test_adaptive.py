@@ -13,7 +13,7 @@ from conftest import NEAR_TIE_GAP, PROMPTS
 from helpers import assert_same_or_near_tie, assert_stats_add_up
 
 import specdec_native as sd
-from specdec_native import models
+from specdec_native import calibration, models
 from specdec_native._core import testing
 
 
@@ -140,6 +140,9 @@ def test_cost_curve_is_stored_and_reused(
     tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    # Whether the tiny pair's draft (as large as its target) can pay is noise: a first
+    # measurement is trusted here either way.
+    monkeypatch.setattr(calibration, "CANNOT_PAY_CONFIRMATIONS", 1)
     with _decoder(tiny_pair) as dec:
         assert dec.policy_state()["calibration"] is None
         dec.generate("the cat", 20)
@@ -172,10 +175,43 @@ def test_cost_curve_is_stored_and_reused(
     assert stored[0].stat().st_mtime_ns > before
 
 
+def test_a_stored_curve_that_says_drafting_cannot_pay_is_measured_again_until_confirmed(
+    tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "Draft too slow" ends speculation for good, so one measurement taken on a busy moment
+    # must not decide it: a stored curve by which drafting cannot pay is measured again, and
+    # trusted once two measurements in a row said so.
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with _decoder(tiny_pair) as dec:
+        dec.generate("the cat", 8)
+    (path,) = (tmp_path / "calibration").glob("*.json")
+    record = json.loads(path.read_text())
+    # As one measurement might say: a draft as slow as the target.
+    verify = record["verify_costs"]
+    record.update(draft_costs=[verify[0], 2 * verify[0]], cannot_pay=1)
+    path.write_text(json.dumps(record))
+    with _decoder(tiny_pair) as dec:
+        dec.generate("the cat", 8)
+        state = dec.policy_state()
+    assert state["calibration"] == "measured"
+    # The tiny pair's draft is as large as its target: whether it can pay is noise. Either
+    # way the count follows the new measurement.
+    expected = 0 if state["drafting_can_pay"] else 2
+    assert json.loads(path.read_text())["cannot_pay"] == expected
+    # Confirmed: trusted, and the request does not draft.
+    record["cannot_pay"] = calibration.CANNOT_PAY_CONFIRMATIONS
+    path.write_text(json.dumps(record))
+    with _decoder(tiny_pair) as dec:
+        r = dec.generate("the cat", 8)
+        assert dec.policy_state()["calibration"] == "cache"
+    assert r.stats.fallback_reason == "draft too slow for this target"
+
+
 def test_damaged_or_stale_cost_curve_is_measured_again(
     tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "CANNOT_PAY_CONFIRMATIONS", 1)  # see the test above
     with _decoder(tiny_pair) as dec:
         dec.generate("the cat", 20)
     (path,) = (tmp_path / "calibration").glob("*.json")

@@ -335,5 +335,5 @@ def test_a_calibration_file_nested_past_parsing_is_measured_again(
     assert calibration.load(inputs) is None
     path.unlink()
     path.mkdir()  # a save that cannot be renamed into place leaves no part file
-    calibration.save(inputs, [1.0], [1.0])
+    calibration.save(inputs, calibration.Stored([1.0], [1.0], 0))
     assert [p.name for p in path.parent.iterdir()] == [path.name]
