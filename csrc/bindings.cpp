@@ -443,6 +443,8 @@ PYBIND11_MODULE(_core, m) {
                  d["vocab_type"] = static_cast<int>(llama_vocab_type(m->vocab()));
                  d["bos"] = llama_vocab_bos(m->vocab());
                  d["eos"] = llama_vocab_eos(m->vocab());
+                 d["add_bos"] = llama_vocab_get_add_bos(m->vocab());
+                 d["add_eos"] = llama_vocab_get_add_eos(m->vocab());
                  const char* chat_template = llama_model_chat_template(m->model(), nullptr);
                  d["has_chat_template"] = chat_template != nullptr;
                  // Its text, for the tool-call formats that need the template rendered.

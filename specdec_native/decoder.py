@@ -409,6 +409,7 @@ class ChatTemplate:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
+        bos_token: str,
         eos_token: str,
         tools: list[dict[str, Any]] | None = None,
         variables: Mapping[str, Any] | None = None,
@@ -423,8 +424,7 @@ class ChatTemplate:
                         messages=messages,
                         tools=tools,
                         add_generation_prompt=add_generation_prompt,
-                        # The prompt's tokenization adds the model's BOS: the text holds none.
-                        bos_token="",
+                        bos_token=bos_token,
                         eos_token=eos_token,
                     )
                 )
@@ -1140,10 +1140,19 @@ class SpeculativeDecoder:
             )
         variables = _template_variables(chat_template_kwargs)
         if template is not None and template.jinja is not None:
-            eos = engine.model_info(False)["eos"]
-            eos_text = engine.detokenize([eos]) if eos >= 0 else ""
+            info = engine.model_info(False)
+            bos, eos = (
+                engine.detokenize([t]) if t >= 0 else "" for t in (info["bos"], info["eos"])
+            )
             listed = None if tools is None else [dict(t) for t in tools]
-            return template.render(checked, add_generation_prompt, eos_text, listed, variables)
+            text = template.render(checked, add_generation_prompt, bos, eos, listed, variables)
+            # As llama.cpp renders: the BOS (or EOS) that tokenizing the prompt adds is not
+            # written twice, whether the template wrote it as bos_token or as text.
+            if info["add_bos"] and bos and text.startswith(bos):
+                text = text[len(bos) :]
+            if info["add_eos"] and eos and text.endswith(eos):
+                text = text[: -len(eos)]
+            return text
         if variables:
             raise ValueError(
                 "chat_template_kwargs need a Jinja chat template (chat_template=, or serve "

@@ -431,6 +431,18 @@ def test_a_models_own_template_that_takes_tools_renders_chats_without_them(
         # llama.cpp's built-in formats know no developer role either.
         told = dec.apply_chat_template([{"role": "developer", "content": "Be brief."}, *chat])
         assert told.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    # bos_token is the BOS's text, as llama.cpp renders it; a BOS that the prompt's
+    # tokenization adds (this vocabulary adds one) is not written at the start as well, whether
+    # the template wrote it as bos_token or as text (Gemma 3's literal <bos>).
+    chat2 = [*chat, {"role": "user", "content": "yo"}]
+    every_turn = "{{ bos_token }}{% for m in messages %}{{ bos_token }}{{ m.content }}{% endfor %}"
+    literal = "<s>{% for m in messages %}{{ m.content }}{% endfor %}"
+    for template, expected in ((every_turn, "<s>hi<s>yo"), (literal, "hiyo")):
+        with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1, chat_template=template) as dec:
+            prompt = dec.apply_chat_template(chat2, add_generation_prompt=False)
+            assert prompt == expected
+            bos = dec._live().model_info(False)["bos"]
+            assert dec.tokenize(prompt, parse_special=True).count(bos) == 1 + prompt.count("<s>")
     # A message's name reaches a Jinja template, as llama.cpp passes it.
     named = "{% for m in messages %}[{{ m.name }}] {{ m.content }}\n{% endfor %}"
     with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1, chat_template=named) as dec:
