@@ -21,9 +21,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-# setup.sh builds llama-cpp-python for this machine's CPU (or with CMAKE_ARGS) and installs
-# specdec with its server dependencies.
-# The built wheel is not kept: the image installs it once.
+# setup.sh builds llama-cpp-python with CMAKE_ARGS and installs specdec with its server
+# dependencies; the built wheel is not kept (the image installs it once).
 RUN CMAKE_ARGS="${CMAKE_ARGS}" bash scripts/setup.sh \
     && rm -rf /root/.cache/pip "${SPECDEC_CACHE}/wheels"
 # A numeric user, so that Kubernetes can check runAsNonRoot.
