@@ -20,6 +20,7 @@ import time
 import warnings
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, SupportsFloat, SupportsIndex, Union
@@ -326,6 +327,8 @@ def _native_path(name: str, path: PathLike) -> str:
 
 
 DEFAULT_N_BATCH = 512  # llama.cpp's default logical batch
+# Async calls waiting in the engine's queue with a thread of their own, beyond one per slot.
+ASYNC_QUEUE_THREADS = 32
 
 
 def check_engine_sizes(
@@ -348,13 +351,46 @@ def check_engine_sizes(
     return threads, _check_int("draft_n_gpu_layers", d_ngl, -1)
 
 
-def _close_borrower(decoder: weakref.ref[SpeculativeDecoder], engine: _core.Engine) -> None:
-    """What a Llama's closing does to a decoder from_llama made on it."""
-    live = decoder()
-    if live is not None:
-        live.close()
-    else:
-        engine.shutdown()
+# The decoders from_llama made on each Llama, which its closing closes first. Weak both ways: a
+# decoder closed or collected is gone from here, and its contexts with it.
+_borrowers: weakref.WeakKeyDictionary[Any, weakref.WeakSet[SpeculativeDecoder]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _lend_to(llm: Any, decoder: SpeculativeDecoder) -> None:
+    """Closing `llm` will close `decoder` first, before llama-cpp-python frees the weights it
+    uses (its stack runs last in, first out): one callback per Llama, however many decoders."""
+    stack = getattr(llm, "_stack", None)
+    if stack is None:
+        return
+    if llm not in _borrowers:
+        _borrowers[llm] = weakref.WeakSet()
+        stack.callback(_close_borrowers, _borrowers[llm])
+    _borrowers[llm].add(decoder)
+
+
+def _timeout_from_now(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An async call's timeout as a deadline from the call itself, so that time spent waiting
+    for a thread counts, as time waiting for the decoder does (a bad value is left to
+    generate()'s checks)."""
+    timeout, deadline = kwargs.get("timeout"), kwargs.get("deadline")
+    real = (int, float)
+    if not isinstance(timeout, real) or isinstance(timeout, bool) or not 0 < timeout < 1e9:
+        return kwargs
+    if deadline is not None and (not isinstance(deadline, real) or isinstance(deadline, bool)):
+        return kwargs
+    ends = time.monotonic() + timeout
+    return {
+        **kwargs,
+        "timeout": None,
+        "deadline": ends if deadline is None else min(ends, deadline),
+    }
+
+
+def _close_borrowers(decoders: weakref.WeakSet[SpeculativeDecoder]) -> None:
+    for decoder in list(decoders):
+        decoder.close()
 
 
 def _model_address(llm: Any) -> int:
@@ -946,6 +982,12 @@ class SpeculativeDecoder:
         )
         # Llama objects whose weights the engine uses: kept alive as long as it is.
         self._borrowed = [llm for llm in _borrow if llm is not None]
+        # The async variants' threads, each blocked in a call: enough for every slot and a
+        # queue, so that they never wait for asyncio's small shared pool (nor hold it from the
+        # application's own work). Created as calls come.
+        self._async_threads = ThreadPoolExecutor(
+            n_parallel + ASYNC_QUEUE_THREADS, thread_name_prefix="specdec-async"
+        )
         _open_decoders.add(self)
         self.target_path = target_path
         self.draft_path = draft_path
@@ -993,11 +1035,8 @@ class SpeculativeDecoder:
             **kwargs,
         )
         for llm in (target, draft_llm):
-            # Closing a Llama first closes the decoder, a generation running included, before
-            # llama-cpp-python frees the weights it uses (its stack runs last in, first out).
-            stack = getattr(llm, "_stack", None)
-            if stack is not None and decoder._engine is not None:
-                stack.callback(_close_borrower, weakref.ref(decoder), decoder._engine)
+            if llm is not None:
+                _lend_to(llm, decoder)  # a generation running included
         return decoder
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -1011,6 +1050,7 @@ class SpeculativeDecoder:
             return
         engine.shutdown()
         self._engine = None
+        self._async_threads.shutdown(wait=False)  # calls still queued raise EngineClosedError
         _open_decoders.discard(self)
 
     def __enter__(self) -> SpeculativeDecoder:
@@ -1497,9 +1537,10 @@ class SpeculativeDecoder:
         if "cancel" in kwargs:
             raise ValueError("agenerate() does not take cancel: cancel the task instead")
         flag = _core.CancelFlag()
+        kwargs = _timeout_from_now(kwargs)
         call = functools.partial(self.generate, prompt, max_tokens, cancel=flag, **kwargs)
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, call)
+            return await asyncio.get_running_loop().run_in_executor(self._async_threads, call)
         except asyncio.CancelledError:
             flag.cancel()
             raise
@@ -1520,7 +1561,8 @@ class SpeculativeDecoder:
         """As astream(), and last the GenerationResult (stats, finish reason)."""
         for name in ("on_text", "cancel"):
             if name in kwargs:
-                raise ValueError(f"astream() does not take {name}")
+                raise ValueError(f"astream() and astream_events() do not take {name}")
+        kwargs = _timeout_from_now(kwargs)
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         flag = _core.CancelFlag()
@@ -1541,7 +1583,7 @@ class SpeculativeDecoder:
             except BaseException as exc:  # handed to the consumer's task
                 put(("error", exc))
 
-        worker = loop.run_in_executor(None, work)
+        worker = loop.run_in_executor(self._async_threads, work)
         try:
             while True:
                 kind, value = await pieces.get()

@@ -4,8 +4,10 @@ its own cancel flag and timeout, async use, and weights shared between decoders.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -172,6 +174,46 @@ def test_cancelling_an_async_task_stops_its_generation(deep: sd.SpeculativeDecod
     assert after.stats.t_queue < 2.0 and time.monotonic() - t0 < 10
 
 
+def test_async_calls_have_threads_of_their_own(
+    tiny_pair: models.ModelPair, smollm2_q40: Path
+) -> None:
+    """Every slot of a decoder serves an async call at once, however few threads asyncio's
+    shared pool has (cores + 4: 6 on 2 cores); and a timeout counts from the call, a wait for
+    a thread included."""
+    slots = 12
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, n_draft=0, n_ctx=64 * slots, n_parallel=slots, n_threads=1
+    ) as dec:
+        together = threading.Barrier(slots, timeout=30)
+        met: list[int] = []
+
+        def meet(_: str) -> None:
+            if len(met) < slots:  # each call once, on its first piece
+                met.append(1)
+                together.wait()
+
+        async def all_at_once() -> list[sd.GenerationResult]:
+            calls = [dec.agenerate(f"the cat {i}", 4, on_text=meet) for i in range(slots)]
+            return list(await asyncio.gather(*calls))
+
+        assert all(len(r.tokens) == 4 for r in asyncio.run(all_at_once()))
+    # More calls than threads, each longer than its timeout: the last to get a thread are
+    # past their deadline already.
+    with sd.SpeculativeDecoder(smollm2_q40, n_draft=0, n_ctx=512, n_parallel=2) as dec:
+
+        async def timed(i: int) -> tuple[float, sd.GenerationResult]:
+            t0 = time.monotonic()
+            r = await dec.agenerate(f"Story {i}:", 400, timeout=1.5, logit_bias={2: -100})
+            return time.monotonic() - t0, r
+
+        async def more_than_threads() -> list[tuple[float, sd.GenerationResult]]:
+            return list(await asyncio.gather(*(timed(i) for i in range(80))))
+
+        timings = asyncio.run(more_than_threads())
+    assert all(r.finish_reason == "timeout" for _, r in timings)
+    assert max(seconds for seconds, _ in timings) < 2.5  # not 1.5 s after a thread came
+
+
 def rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -230,3 +272,22 @@ def test_from_llama_with_a_draft_llama_and_after_close(smollm2: Path, smollm2_q4
     assert dec.closed
     with pytest.raises(ValueError, match="no loaded model"):
         sd.SpeculativeDecoder.from_llama(target)
+
+
+def test_decoders_from_one_llama_free_their_contexts_when_closed(smollm2_q40: Path) -> None:
+    # Each holds contexts of its own (here 8192 positions, about 180 MiB): a long-lived Llama
+    # must not keep them after close() or once the decoder is gone.
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(smollm2_q40), n_ctx=256, verbose=False)
+    engines = []
+    for close in (True, True, False):
+        dec = sd.SpeculativeDecoder.from_llama(llm, n_draft=0, n_ctx=8192)
+        dec.generate("Hi", 2)
+        engines.append(weakref.ref(dec._live()))
+        if close:
+            dec.close()
+        del dec
+    gc.collect()
+    assert [e() for e in engines] == [None, None, None]
+    llm.close()
