@@ -1031,6 +1031,7 @@ def serve(
         import uvicorn
 
         from specdec_native.server import (
+            BoundedHttp,
             SamplingDefaults,
             ServerSettings,
             configure_log,
@@ -1121,6 +1122,7 @@ def serve(
         port=port,
         log_level="warning",
         access_log=False,
+        http=BoundedHttp,
         # A backstop: the app cuts running requests at --grace itself, each within a step.
         timeout_graceful_shutdown=math.ceil(grace) + 10,
     )
@@ -1137,6 +1139,9 @@ def serve(
     # one a no-op, so that a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
+    # Drained: a SIGTERM from now on (a second one, say) must not kill the exit, and Python
+    # restores default handlers as it finalizes, all but ignored ones.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if app.state.server.load_error:
         raise click.ClickException(app.state.server.load_error)
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import h11
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -32,6 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec_native import __version__, _core
 from specdec_native.decoder import (
@@ -118,8 +120,8 @@ class RequestError(Exception):
         self.status, self.message, self.param = status, message, param
         self.kind, self.code, self.headers = kind, code, headers
 
-    def response(self) -> JSONResponse:
-        body = {
+    def body(self) -> dict[str, Any]:
+        return {
             "error": {
                 "message": self.message,
                 "type": self.kind,
@@ -127,7 +129,9 @@ class RequestError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 DRAFT_SOURCES = ("model", "ngram", "index", "grammar")  # each stats.drafted_by_<source>
@@ -681,8 +685,17 @@ class Server:
         # Counted until the thread is done with it, even where this handler is cancelled first.
         loop = asyncio.get_running_loop()
         job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._vocab_call_done))
+        result: asyncio.Future[Any] = asyncio.wrap_future(job)
+        gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
         try:
-            body = await asyncio.wrap_future(job)
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not result.done():  # the client went away: work not begun yet is dropped, and its
+            job.cancel()  # admission released, so that abandoned calls lock nobody out
+            return Response(status_code=499)
+        try:
+            body = result.result()
         except Exception as e:
             return self._refuse(rid, _refusal(e))
         return Response(body, media_type="application/json")
@@ -1005,6 +1018,47 @@ class _JsonFormatter(logging.Formatter):
         out["message"] = record.getMessage()
         out.update(getattr(record, "fields", None) or {})
         return json.dumps(out)
+
+
+class BoundedHttp(H11Protocol):
+    """uvicorn's HTTP/1.1 connection, with two changes. A connection must finish a request's
+    head within uvicorn's keep-alive time, as it must between requests (uvicorn bounds only
+    the latter): clients that open connections and never finish a request would otherwise hold
+    them, and their file descriptors, for ever. And a request that is not valid HTTP gets an
+    OpenAI-shaped 400, as every other bad request does."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_a_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_a_request()
+
+    def _await_a_request(self) -> None:
+        # uvicorn's timer stops at the first byte that comes; this one only at a whole head.
+        before = self.cycle
+        self.loop.call_later(self.timeout_keep_alive, self._close_unless_begun, before)
+
+    def _close_unless_begun(self, before: object) -> None:
+        if self.cycle is before and not self.transport.is_closing():
+            self.timeout_keep_alive_handler()
+
+    def send_400_response(self, msg: str) -> None:
+        error = RequestError(400, f"not a valid HTTP request ({msg.rstrip('.').lower()})")
+        body = json.dumps(error.body()).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 def configure_log(log_format: str) -> None:

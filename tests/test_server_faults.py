@@ -154,6 +154,64 @@ def test_a_client_that_hangs_up_in_its_body_is_counted_and_logged_without_a_trac
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_connections_that_never_finish_a_request_are_closed(server: Server) -> None:
+    # Within uvicorn's keep-alive time (5 s), as between requests: nothing sent, half a head,
+    # or a header line now and then (each within the time) hold no connection for ever.
+    port = int(server.url.rsplit(":", 1)[1])
+    heads = [b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n", b"GET /health"]
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=15) for _ in heads]
+    started = time.monotonic()
+    for sock, head in zip(socks, heads):
+        sock.sendall(head)
+    for _ in range(3):
+        time.sleep(1.5)
+        socks[1].sendall(b"X-Slow: 1\r\n")
+    for sock in socks:
+        assert sock.recv(4096) == b""  # closed by the server
+        sock.close()
+    assert time.monotonic() - started < 12
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",
+    ],
+    ids=["bad-length", "bad-encoding", "not-http"],
+)
+def test_a_request_that_is_not_http_gets_an_openai_shaped_400(server: Server, head: bytes) -> None:
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        response = read_response(sock)
+    status, _, rest = response.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 400")
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["message"].startswith("not a valid HTTP request")
+    assert error["type"] == "invalid_request_error"
+
+
+def test_abandoned_vocabulary_calls_lock_nobody_out(server: Server) -> None:
+    # Each of these takes a vocabulary thread seconds; clients that send them and hang up
+    # leave only the calls already begun (two threads) holding admissions.
+    text = "lorem ipsum dolor sit amet " * 140_000
+    data = json.dumps({"content": text}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    for _ in range(16):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            head = (
+                "POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {len(data)}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + data)
+    time.sleep(1)
+    r = httpx.post(server.url + "/tokenize", json={"content": "hi"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_a_streamed_prompt_over_the_context_is_a_400_before_any_stream(server: Server) -> None:
     body = {"prompt": "word " * 3000, "max_tokens": 4, "stream": True}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
@@ -216,6 +274,18 @@ def test_a_stream_cut_at_the_grace_limit_ends_cleanly_and_queued_requests_get_50
 
 def open_fds(server: Server) -> int:
     return len(os.listdir(f"/proc/{server.proc.pid}/fd"))
+
+
+def test_sigterm_again_while_exiting_still_exits_0(tiny_pair: models.ModelPair) -> None:
+    # An orchestrator may signal twice; after the drain, Python restores default handlers as
+    # it finalizes, and a SIGTERM then killed the exit (-15).
+    s = start(tiny_pair.target, "-t", "1", "-c", "256")
+    s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while s.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=30) == 0
 
 
 def test_a_soak_of_hostile_traffic_loses_nothing_and_leaks_nothing(
