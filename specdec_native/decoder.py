@@ -1540,9 +1540,19 @@ class SpeculativeDecoder:
         kwargs = _timeout_from_now(kwargs)
         call = functools.partial(self.generate, prompt, max_tokens, cancel=flag, **kwargs)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._async_threads, call)
+            result: GenerationResult = await self._on_async_thread(asyncio.get_running_loop(), call)
+            return result
         except asyncio.CancelledError:
             flag.cancel()
+            raise
+
+    def _on_async_thread(
+        self, loop: asyncio.AbstractEventLoop, call: Callable[[], Any]
+    ) -> asyncio.Future[Any]:
+        try:
+            return loop.run_in_executor(self._async_threads, call)
+        except RuntimeError:  # its threads are shut down: the decoder was closed
+            self._live()  # EngineClosedError
             raise
 
     async def astream(
@@ -1583,7 +1593,7 @@ class SpeculativeDecoder:
             except BaseException as exc:  # handed to the consumer's task
                 put(("error", exc))
 
-        worker = loop.run_in_executor(self._async_threads, work)
+        worker = self._on_async_thread(loop, work)
         try:
             while True:
                 kind, value = await pieces.get()

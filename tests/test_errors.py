@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,16 @@ def test_use_after_close(tiny_pair: models.ModelPair) -> None:
         dec.generate("the", 3)
     with pytest.raises(sd.EngineClosedError):
         dec.tokenize("the")
+
+    async def streamed() -> None:
+        async for _ in dec.astream("the", 3):
+            pass
+
+    # The async variants too, whose threads closed with it.
+    with pytest.raises(sd.EngineClosedError):
+        asyncio.run(dec.agenerate("the", 3))
+    with pytest.raises(sd.EngineClosedError):
+        asyncio.run(streamed())
 
 
 @pytest.mark.parametrize(
