@@ -599,8 +599,8 @@ def conversation(
     after_tool = False  # consecutive tool results share one user message
     for role, content, calls, call_id, name in messages:
         if role == "tool":
-            named = {} if name is None else {"name": name}
-            result = {"tool_response": {"tool_call_id": call_id, **named, "content": content or ""}}
+            response = {"tool_call_id": call_id, **_named(name), "content": content or ""}
+            result = {"tool_response": response}
             text = json.dumps(result, ensure_ascii=False)
             if after_tool:
                 out[-1]["content"] += "\n" + text

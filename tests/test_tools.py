@@ -123,7 +123,7 @@ def test_a_conversation_writes_calls_and_results_in_the_generic_format() -> None
         Message("user", "sums?", [], None),
         Message("assistant", None, calls, None),
         Message("tool", "1", [], "c1"),
-        Message("tool", "2", [], "c2"),
+        Message("tool", "2", [], "c2", "mul"),
         Message("assistant", "1 and 2", [], None),
         Message("tool", "3", [], "c3"),
     ]
@@ -139,7 +139,7 @@ def test_a_conversation_writes_calls_and_results_in_the_generic_format() -> None
     results = [json.loads(line)["tool_response"] for line in out[2]["content"].splitlines()]
     assert results == [
         {"tool_call_id": "c1", "content": "1"},
-        {"tool_call_id": "c2", "content": "2"},
+        {"tool_call_id": "c2", "name": "mul", "content": "2"},  # its name, where given
     ]
     assert json.loads(out[4]["content"])["tool_response"]["tool_call_id"] == "c3"
 
