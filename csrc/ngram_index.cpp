@@ -1,10 +1,12 @@
 #include "ngram_index.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -18,6 +20,8 @@ namespace {
 // and a bucket pointer.
 constexpr size_t kEntryBytes = 32;
 constexpr size_t kBucketBytes = 8;
+constexpr int kMaxNgram = 16;  // the engine's bound on ngram_max
+constexpr double kMaxTries = 1e15;
 constexpr char kMagic[8] = {'S', 'P', 'D', 'X', 'N', 'G', 'I', '1'};
 
 struct FileHeader {
@@ -108,16 +112,23 @@ void SharedNgramIndex::forget_older_half() {
 }
 
 void SharedNgramIndex::save(const std::string& path, int n_vocab) const {
-    const std::string tmp = path + ".tmp";
-    if (write_file(tmp, n_vocab) && std::rename(tmp.c_str(), path.c_str()) == 0) return;
+    // A temporary file of its own, created anew (never a file or link already there, which
+    // another process could have put in the index's directory), then renamed over the path.
+    std::string tmp = path + ".XXXXXX";
+    const int fd = mkstemp(tmp.data());
+    if (fd < 0) throw io_error("cannot write", path);
+    if (write_file(fd, n_vocab) && std::rename(tmp.c_str(), path.c_str()) == 0) return;
     const FileError error = io_error("cannot write", path);
     std::remove(tmp.c_str());  // a failed save leaves the old file and nothing beside it
     throw error;
 }
 
-bool SharedNgramIndex::write_file(const std::string& path, int n_vocab) const {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    if (!out) return false;
+bool SharedNgramIndex::write_file(int fd, int n_vocab) const {
+    std::FILE* out = fdopen(fd, "wb");
+    if (!out) {
+        close(fd);
+        return false;
+    }
     FileHeader h{};
     std::memcpy(h.magic, kMagic, sizeof kMagic);
     h.n_vocab = n_vocab;
@@ -125,12 +136,11 @@ bool SharedNgramIndex::write_file(const std::string& path, int n_vocab) const {
     h.ngram_max = ngram_max_;
     h.n_tokens = tokens_.size();
     const auto evidence = copy_.evidence();
-    out.write(reinterpret_cast<const char*>(&h), sizeof h);
-    out.write(reinterpret_cast<const char*>(evidence.data()), sizeof evidence);
-    out.write(reinterpret_cast<const char*>(tokens_.data()),
-              static_cast<std::streamsize>(tokens_.size() * sizeof(llama_token)));
-    out.close();
-    return !out.fail();
+    bool ok = std::fwrite(&h, sizeof h, 1, out) == 1;
+    ok = ok && std::fwrite(evidence.data(), sizeof evidence, 1, out) == 1;
+    ok = ok &&
+         std::fwrite(tokens_.data(), sizeof(llama_token), tokens_.size(), out) == tokens_.size();
+    return std::fclose(out) == 0 && ok;
 }
 
 void SharedNgramIndex::load(const std::string& path, int n_vocab) {
@@ -153,19 +163,23 @@ void SharedNgramIndex::load(const std::string& path, int n_vocab) {
     if (h.n_vocab != n_vocab)
         throw std::invalid_argument(bad + "its vocabulary has " + std::to_string(h.n_vocab) +
                                     " tokens, the model's " + std::to_string(n_vocab));
+    if (h.ngram_min < 1 || h.ngram_max < h.ngram_min || h.ngram_max > kMaxNgram)
+        throw std::invalid_argument(bad + "its n-gram lengths are out of range");
     // Before allocating: a forged count must not cost memory.
     if (h.n_tokens >= std::numeric_limits<uint32_t>::max() ||
         size != sizeof h + sizeof evidence + h.n_tokens * sizeof(llama_token))
         throw std::invalid_argument(bad + "its length does not match its header");
     for (size_t b = 0; b < CopyPolicy::kBuckets; ++b) {
         const double tries = evidence[b], accepts = evidence[b + CopyPolicy::kBuckets];
-        if (!(accepts >= 0.0 && accepts <= tries && tries < 1e18))
+        // Past 2^53 tries a new one would add nothing: the evidence would be fixed for good.
+        if (!(accepts >= 0.0 && accepts <= tries && tries < kMaxTries))
             throw std::invalid_argument(bad + "bad copy evidence");
     }
     // Only the newest tokens that could fit the budget are read, before any map is built (a
     // file saved under a larger budget, or a crafted one, must not cost more memory than that):
-    // each token costs its own bytes and a map entry at least.
-    const uint64_t most = budget_ / (sizeof(llama_token) + kEntryBytes);
+    // each token costs its own bytes and an entry and a bucket in every n-gram length's map.
+    const uint64_t most =
+        budget_ / (sizeof(llama_token) + by_length_.size() * (kEntryBytes + kBucketBytes));
     const uint64_t skipped = h.n_tokens > most ? h.n_tokens - most : 0;
     in.seekg(static_cast<std::streamoff>(skipped * sizeof(llama_token)), std::ios::cur);
     std::vector<llama_token> tokens;

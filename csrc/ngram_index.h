@@ -53,7 +53,7 @@ class SharedNgramIndex {
     // Separates outputs, so that no match or draft runs from one into the next.
     static constexpr llama_token kBoundary = -1;
     void index_from(size_t begin);
-    bool write_file(const std::string& path, int n_vocab) const;
+    bool write_file(int fd, int n_vocab) const;  // closes fd
     void forget_older_half();
     void fit_budget();
 
