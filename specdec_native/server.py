@@ -1029,16 +1029,16 @@ class BoundedHttp(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._await_a_request()
+        self._await_a_request_after(None)
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._await_a_request()
+        done = self.cycle
+        super().on_response_complete()  # may begin a pipelined request's cycle at once
+        self._await_a_request_after(done)
 
-    def _await_a_request(self) -> None:
+    def _await_a_request_after(self, cycle: object) -> None:
         # uvicorn's timer stops at the first byte that comes; this one only at a whole head.
-        before = self.cycle
-        self.loop.call_later(self.timeout_keep_alive, self._close_unless_begun, before)
+        self.loop.call_later(self.timeout_keep_alive, self._close_unless_begun, cycle)
 
     def _close_unless_begun(self, before: object) -> None:
         if self.cycle is before and not self.transport.is_closing():

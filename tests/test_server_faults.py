@@ -173,6 +173,29 @@ def test_connections_that_never_finish_a_request_are_closed(server: Server) -> N
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_a_pipelined_request_longer_than_the_head_bound_is_answered(server: Server) -> None:
+    # Sent behind another on one connection, it begins as soon as the first is answered, and
+    # runs past the 5 s a connection gets to send a request head: it is not cut off.
+    slow = {"prompt": COUNTING, "max_tokens": 600, "temperature": 0, "speculative": {"n_max": 0}}
+    body = json.dumps(slow).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(
+            b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        started = time.monotonic()
+        assert read_response(sock).startswith(b"HTTP/1.1 200")
+        second = read_response(sock)
+    assert second.startswith(b"HTTP/1.1 200"), second[:200]
+    assert time.monotonic() - started > 5  # it did run past the bound
+    assert json.loads(second.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] > 0
+
+
 @pytest.mark.parametrize(
     "head",
     [
