@@ -1037,6 +1037,7 @@ def serve(
             configure_log,
             create_app,
         )
+        from specdec_native.server import log as server_log
     except ImportError as e:
         raise click.ClickException(
             f"serve needs the server extra: pip install 'specdec[server]' ({e})"
@@ -1122,6 +1123,7 @@ def serve(
         port=port,
         log_level="warning",
         access_log=False,
+        log_config=None,  # configure_log's handlers stay
         http=BoundedHttp,
         # A backstop: the app cuts running requests at --grace itself, each within a step.
         timeout_graceful_shutdown=math.ceil(grace) + 10,
@@ -1134,7 +1136,8 @@ def serve(
 
     server = Server(config)
     running.append(server)
-    progress(f"serving {settings.model_alias} on http://{host}:{port}")
+    url = f"http://{host}:{port}"
+    server_log.info("serving", extra={"fields": {"model": settings.model_alias, "url": url}})
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that
     # one a no-op, so that a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -69,6 +69,7 @@ WARM_UP_BOUND = 20.0
 # as requests past the queue do: each holds its body, up to MAX_BODY_BYTES).
 VOCAB_THREADS = 2
 VOCAB_CALLS_ADMITTED = 16
+SERVER_STATE = "specdec_server"  # the Server, in the app's lifespan state
 # Names the build that answered, as OpenAI's field does.
 SYSTEM_FINGERPRINT = f"specdec-{__version__}"
 # A body slower than this (a client that stalls half-way) gets a 408: it holds an admission.
@@ -409,6 +410,12 @@ class Run:
         self.started.set()
         then()
 
+    def called_tools(self, result: GenerationResult) -> bool:
+        """Whether the output is tool calls (answered with finish_reason "tool_calls")."""
+        return (
+            self.chat and self.job.tools is not None and bool(self.job.tools.output(result.text)[1])
+        )
+
     def cancel(self, why: str) -> None:
         if not self.future.done():
             self.cut = self.cut or why
@@ -477,7 +484,8 @@ def timings(result: GenerationResult, waited: float) -> dict[str, Any]:
         "prompt_ms": s.t_prompt * 1e3,
         "predicted_n": s.n_generated,
         "predicted_ms": gen * 1e3,
-        "predicted_per_second": s.tokens_per_second,
+        # As llama-server's: every generated token over the generation's time.
+        "predicted_per_second": s.n_generated / gen if gen > 0 else 0.0,
         "draft_n": s.n_drafted,
         "draft_n_accepted": s.n_accepted,
         "acceptance_rate": s.acceptance_rate,
@@ -811,6 +819,8 @@ class Server:
         waited = run.waited(result)
         # A cut names who cut it: the client, a shutdown, the grace limit.
         ended = run.cut if result.finish_reason == "cancelled" and run.cut else result.finish_reason
+        if ended in ("stop", "length") and run.called_tools(result):
+            ended = "tool_calls"  # as the client was told
         self.metrics.observe(result, ended, seconds, waited)
         s = result.stats
         fields.update(
@@ -1046,6 +1056,9 @@ class BoundedHttp(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         error = RequestError(400, f"not a valid HTTP request ({msg.rstrip('.').lower()})")
+        server = self.app_state.get(SERVER_STATE)
+        if server is not None:  # counted and logged as every refusal is
+            server._refuse("http-" + uuid.uuid4().hex, error)
         body = json.dumps(error.body()).encode()
         headers = [
             (b"content-type", b"application/json"),
@@ -1062,12 +1075,14 @@ class BoundedHttp(H11Protocol):
 
 
 def configure_log(log_format: str) -> None:
-    """One line per event on stderr: `key=value` text, or one JSON object ("json")."""
+    """One line per event on stderr: `key=value` text, or one JSON object ("json"); uvicorn's
+    own lines (a request that is not HTTP, say) in the same form."""
     handler = logging.StreamHandler()
     handler.setFormatter(_JsonFormatter() if log_format == "json" else _TextFormatter())
-    log.handlers[:] = [handler]
+    for logger in (log, logging.getLogger("uvicorn"), logging.getLogger("uvicorn.error")):
+        logger.handlers[:] = [handler]
+        logger.propagate = False
     log.setLevel(logging.INFO)
-    log.propagate = False
 
 
 def create_app(
@@ -1080,29 +1095,31 @@ def create_app(
     server = Server(load, settings, on_fatal)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         # A thread per admitted request: each only waits for its text (the decoder's own
         # scheduler thread runs every decode, for all of them in one batch per step).
         loop = asyncio.get_running_loop()
         workers = settings.n_parallel + settings.max_queue + 1
         loop.set_default_executor(ThreadPoolExecutor(workers, thread_name_prefix="request"))
         starting = asyncio.create_task(server.start())
-        yield
+        yield {SERVER_STATE: server}  # the app's state, which connections (BoundedHttp) see too
         starting.cancel()
         server.close()
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.server = server
 
+    # Refusals raised from an endpoint (a key /v1/models wants) or by the router (an unknown
+    # path, a wrong method): counted and logged as every refusal is, in OpenAI's shape too.
     @app.exception_handler(RequestError)
-    async def request_error(_: Request, e: RequestError) -> JSONResponse:
-        return e.response()
+    async def request_error(_: Request, e: RequestError) -> Response:
+        return server._refuse("http-" + uuid.uuid4().hex, e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        # An unknown path, a wrong method: in OpenAI's shape too.
+    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
         headers = dict(e.headers) if e.headers else None
-        return RequestError(e.status_code, str(e.detail), headers=headers).response()
+        refusal = RequestError(e.status_code, str(e.detail), headers=headers)
+        return server._refuse("http-" + uuid.uuid4().hex, refusal)
 
     # The endpoints read their bodies themselves, within bounds (openai_api.read_json); their
     # OpenAPI entries say what the body models take.

@@ -210,6 +210,8 @@ def test_timings_in_llama_cpps_shape(chat_server: Server) -> None:
     for key in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"):
         assert key in t
     assert t["predicted_n"] > 0 and t["draft_n"] >= t["draft_n_accepted"] >= 0
+    # llama-server's definition: every generated token over the generation's time.
+    assert abs(t["predicted_per_second"] - t["predicted_n"] / t["predicted_ms"] * 1e3) < 1e-6
     assert 0.0 <= t["acceptance_rate"] <= 1.0
 
 
@@ -336,6 +338,15 @@ def test_metrics_count_what_requests_did(chat_server: Server, client: openai.Ope
     )
     assert after["specdec:num_requests_running"] == 0
     assert 1 <= after["specdec:threads"] <= (os.cpu_count() or 1)
+    # Refusals the router or an endpoint raises are counted too: an unknown path, a wrong
+    # method.
+    rejected = 'specdec:requests_rejected_total{{status="{}"}}'
+    httpx.get(chat_server.url + "/v1/nothing-here")
+    httpx.get(chat_server.url + "/v1/completions")
+    later = chat_server.metrics()
+    for status in ("404", "405"):
+        key = rejected.format(status)
+        assert later.get(key, 0) - after.get(key, 0) == 1, key
     assert any(k.startswith("specdec:time_to_first_token_seconds_bucket") for k in after)
     assert any(k.startswith("specdec:spec_decode_num_accepted_tokens_per_pos_total") for k in after)
 
@@ -767,6 +778,8 @@ def test_a_tool_round_trip(tools_at: ToolServer, smollm2_q40: Path) -> None:
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "What is the weather in Paris?"}
     ]
+    called = 'specdec:requests_total{finish_reason="tool_calls"}'
+    before = tools_at.server.metrics().get(called, 0)
     r = client.chat.completions.create(
         model="smol",
         messages=messages,
@@ -779,6 +792,7 @@ def test_a_tool_round_trip(tools_at: ToolServer, smollm2_q40: Path) -> None:
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls
+    assert tools_at.server.metrics()[called] == before + 1  # counted as the client was told
     for call in choice.message.tool_calls:
         _check_call(call, "get_weather")
     if tools_at.template is not None:  # the prompt is the template's, tools and all
