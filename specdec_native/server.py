@@ -684,7 +684,7 @@ class Server:
             if self.vocab_calls >= VOCAB_CALLS_ADMITTED:
                 raise _at_capacity()
         except RequestError as e:
-            return self._refuse(rid, e)
+            return self.refuse(rid, e)
         self.vocab_calls += 1  # before the body arrives: admitted calls bound what bodies hold
         raw = await self.admitted_body(request, rid, self._vocab_call_done)
         if isinstance(raw, Response):
@@ -701,11 +701,11 @@ class Server:
             gone.cancel()
         if not result.done():  # the client went away: work not begun yet is dropped, and its
             job.cancel()  # admission released, so that abandoned calls lock nobody out
-            return Response(status_code=499)
+            return self.refuse(rid, RequestError(499, "the client hung up before the answer"))
         try:
             body = result.result()
         except Exception as e:
-            return self._refuse(rid, _refusal(e))
+            return self.refuse(rid, _refusal(e))
         return Response(body, media_type="application/json")
 
     def _vocab_call_done(self) -> None:
@@ -721,7 +721,7 @@ class Server:
         except BaseException as e:
             release()
             if isinstance(e, RequestError):
-                return self._refuse(rid, e)
+                return self.refuse(rid, e)
             raise
 
     async def read_body(self, request: Request) -> bytes:
@@ -752,7 +752,7 @@ class Server:
             self.check_auth(request)
             self.admit()  # before the body: admitted requests bound what bodies hold
         except RequestError as e:
-            return self._refuse(rid, e)
+            return self.refuse(rid, e)
         raw = await self.admitted_body(request, rid, self.release)
         if isinstance(raw, Response):
             return raw
@@ -764,7 +764,7 @@ class Server:
             job = await loop.run_in_executor(None, _job, body, self.decoder, self.settings)
         except Exception as e:  # a bad body, or a chat template that cannot take the messages
             self.release()
-            return self._refuse(rid, _refusal(e))
+            return self.refuse(rid, _refusal(e))
         except BaseException:  # this handler cancelled while the template rendered
             self.release()
             raise
@@ -793,8 +793,9 @@ class Server:
             return EventSourceResponse(self._events(run), sep="\n")
         return JSONResponse(self._completion(run, result))
 
-    def _refuse(self, rid: str, e: RequestError) -> Response:
-        """A request refused before it ran: counted and logged."""
+    def refuse(self, rid: str, e: RequestError) -> Response:
+        """A request refused (or given up by its client) before it ran: counted by its status
+        and logged."""
         self.metrics.rejected.labels(status=str(e.status)).inc()
         log.info("refused", extra={"fields": {"id": rid, "status": e.status, "error": e.message}})
         return e.response()
@@ -1058,7 +1059,7 @@ class BoundedHttp(H11Protocol):
         error = RequestError(400, f"not a valid HTTP request ({msg.rstrip('.').lower()})")
         server = self.app_state.get(SERVER_STATE)
         if server is not None:  # counted and logged as every refusal is
-            server._refuse("http-" + uuid.uuid4().hex, error)
+            server.refuse("http-" + uuid.uuid4().hex, error)
         body = json.dumps(error.body()).encode()
         headers = [
             (b"content-type", b"application/json"),
@@ -1113,13 +1114,13 @@ def create_app(
     # path, a wrong method): counted and logged as every refusal is, in OpenAI's shape too.
     @app.exception_handler(RequestError)
     async def request_error(_: Request, e: RequestError) -> Response:
-        return server._refuse("http-" + uuid.uuid4().hex, e)
+        return server.refuse("http-" + uuid.uuid4().hex, e)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> Response:
         headers = dict(e.headers) if e.headers else None
         refusal = RequestError(e.status_code, str(e.detail), headers=headers)
-        return server._refuse("http-" + uuid.uuid4().hex, refusal)
+        return server.refuse("http-" + uuid.uuid4().hex, refusal)
 
     # The endpoints read their bodies themselves, within bounds (openai_api.read_json); their
     # OpenAPI entries say what the body models take.
