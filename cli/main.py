@@ -662,15 +662,9 @@ def _writable(path: Path | None, option: str) -> None:
 
 
 def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
-    """Writes a report through a part file moved into place: a failure or a kill leaves the
-    path as it was, never half a report."""
-    part = path.with_name(f"{path.stem}.{os.getpid()}.part{path.suffix}")  # the suffix: its format
-    try:
-        write(part)
-        os.replace(part, path)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
+    from specdec_native._paths import write_whole
+
+    write_whole(path, write)
 
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")

@@ -1,8 +1,9 @@
-"""Where specdec keeps what it builds, fetches and measures."""
+"""Where specdec keeps what it builds, fetches and measures, and how it writes files whole."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -12,3 +13,16 @@ def cache_base() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec"
     )
     return Path(base)
+
+
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """Writes path through a part file beside it, moved into place once complete: a failure or
+    a kill leaves the path as it was, never half a file, and two processes writing the same
+    path do not share a part file."""
+    part = path.with_name(f"{path.stem}.{os.getpid()}.part{path.suffix}")  # suffix: the format
+    try:
+        write(part)
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec_native import _core
-from specdec_native._paths import cache_base
+from specdec_native._paths import cache_base, write_whole
 
 # 2: the draft cost became two, a decode of one token and of two.
 # 3: fastest timings from interleaved sweeps (csrc/cost_curve.h): curves stored before, from
@@ -108,11 +108,6 @@ def save(key_inputs: dict[str, Any], curve: Stored) -> None:
         "cannot_pay": curve.cannot_pay,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    tmp = path.with_suffix(f".{os.getpid()}.part")
-    try:
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        write_whole(path, lambda part: part.write_text(json.dumps(record, indent=1)))

@@ -372,20 +372,17 @@ def _lend_to(llm: Any, decoder: SpeculativeDecoder) -> None:
 
 def _timeout_from_now(kwargs: dict[str, Any]) -> dict[str, Any]:
     """An async call's timeout as a deadline from the call itself, so that time spent waiting
-    for a thread counts, as time waiting for the decoder does (a bad value is left to
-    generate()'s checks)."""
-    timeout, deadline = kwargs.get("timeout"), kwargs.get("deadline")
-    real = (int, float)
-    if not isinstance(timeout, real) or isinstance(timeout, bool) or not 0 < timeout < 1e9:
+    for a thread counts, as time waiting for the decoder does."""
+    try:
+        given = {name: kwargs[name] for name in ("timeout", "deadline") if name in kwargs}
+        timing = GenerationSettings.checked(**given)
+    except ValueError:
+        return kwargs  # generate() raises it, in its place among every check
+    if timing.timeout is None:
         return kwargs
-    if deadline is not None and (not isinstance(deadline, real) or isinstance(deadline, bool)):
-        return kwargs
-    ends = time.monotonic() + timeout
-    return {
-        **kwargs,
-        "timeout": None,
-        "deadline": ends if deadline is None else min(ends, deadline),
-    }
+    ends = time.monotonic() + timing.timeout
+    deadline = ends if timing.deadline is None else min(ends, timing.deadline)
+    return {**kwargs, "timeout": None, "deadline": deadline}
 
 
 def _close_borrowers(decoders: weakref.WeakSet[SpeculativeDecoder]) -> None:

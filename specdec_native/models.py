@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from specdec_native._paths import cache_base
+from specdec_native._paths import cache_base, write_whole
 
 Progress = Callable[[str], None]
 
@@ -177,12 +177,14 @@ def quantize(src: Path, dst: Path, quant: str = "Q4_0", n_threads: int = 0) -> P
     params.ftype = QUANT_TYPES[quant]
     params.nthread = n_threads
     params.allow_requantize = True
-    tmp = dst.with_suffix(f"{dst.suffix}.{os.getpid()}.part")  # another process may build it too
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-    if rc != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"llama_model_quantize({src} -> {quant}) failed with code {rc}")
-    return _publish(tmp, dst)
+
+    def quantize_into(part: Path) -> None:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(part).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({src} -> {quant}) failed with code {rc}")
+
+    write_whole(dst, quantize_into)
+    return dst
 
 
 # -- the deep-target pair ------------------------------------------------------------------
