@@ -366,10 +366,14 @@ void Engine::require_ngram_index() const {
             "with an index budget > 0)");
 }
 
+VocabKey Engine::vocab_key() const {
+    return VocabKey{target_->n_vocab(), vocab_fingerprint(*target_)};
+}
+
 void Engine::save_ngram_index(const std::string& path) {
     check_not_in_callback("save the n-gram index");
     require_ngram_index();
-    run_exclusive([&] { ngram_index_->save(path, target_->n_vocab()); }, nullptr);
+    run_exclusive([&] { ngram_index_->save(path, vocab_key()); }, nullptr);
 }
 
 void Engine::load_ngram_index(const std::string& path) {
@@ -379,7 +383,7 @@ void Engine::load_ngram_index(const std::string& path) {
         [&] {
             std::exception_ptr failed;
             try {
-                ngram_index_->load(path, target_->n_vocab());
+                ngram_index_->load(path, vocab_key());
             } catch (...) {
                 failed = std::current_exception();  // the index is as it was, or empty
             }

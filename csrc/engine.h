@@ -141,6 +141,7 @@ class Engine {
     }
     void check_not_in_callback(const char* what) const;
     void require_ngram_index() const;  // std::invalid_argument without one
+    VocabKey vocab_key() const;        // the target's, for index files
     void check_request(const GenerateRequest& request) const;
     // The target's vocabulary for llguidance: built by the first constrained request.
     const ConstraintVocab& constraint_vocab();

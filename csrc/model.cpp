@@ -265,4 +265,21 @@ std::string vocab_mismatch(const Model& target, const Model& draft) {
     return "";
 }
 
+uint64_t vocab_fingerprint(const Model& model) {
+    uint64_t h = 1469598103934665603ULL;
+    const auto mix = [&h](const char* bytes, size_t n) {
+        for (size_t i = 0; i < n; ++i) {
+            h ^= static_cast<unsigned char>(bytes[i]);
+            h *= 1099511628211ULL;
+        }
+    };
+    const int type = llama_vocab_type(model.vocab());
+    mix(reinterpret_cast<const char*>(&type), sizeof type);
+    for (llama_token t = 0; t < model.n_vocab(); ++t) {
+        const char* text = llama_vocab_get_text(model.vocab(), t);
+        mix(text, std::strlen(text) + 1);  // its NUL too: "ab","c" is not "a","bc"
+    }
+    return h;
+}
+
 }  // namespace specdec

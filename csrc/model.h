@@ -112,5 +112,8 @@ std::vector<std::string> chat_template_names();
 
 // Why target and draft cannot be paired, or "" when they can.
 std::string vocab_mismatch(const Model& target, const Model& draft);
+// FNV-1a over the vocabulary's type and every token's text: two models share it when their
+// tokens are the same (a file of token ids written for one is meaningful to the other).
+uint64_t vocab_fingerprint(const Model& model);
 
 }  // namespace specdec

@@ -22,12 +22,14 @@ constexpr size_t kEntryBytes = 32;
 constexpr size_t kBucketBytes = 8;
 constexpr int kMaxNgram = 16;  // the engine's bound on ngram_max
 constexpr double kMaxTries = 1e15;
-constexpr char kMagic[8] = {'S', 'P', 'D', 'X', 'N', 'G', 'I', '1'};
+// Its last byte is the format's version: a file of another version is named as such.
+constexpr char kMagic[8] = {'S', 'P', 'D', 'X', 'N', 'G', 'I', '2'};
 
 struct FileHeader {
     char magic[8];
     int32_t n_vocab, ngram_min, ngram_max;
     uint64_t n_tokens;
+    uint64_t vocab_fingerprint;
 };
 
 FileError io_error(const std::string& what, const std::string& path) {
@@ -111,19 +113,19 @@ void SharedNgramIndex::forget_older_half() {
     index_from(0);
 }
 
-void SharedNgramIndex::save(const std::string& path, int n_vocab) const {
+void SharedNgramIndex::save(const std::string& path, VocabKey vocab) const {
     // A temporary file of its own, created anew (never a file or link already there, which
     // another process could have put in the index's directory), then renamed over the path.
     std::string tmp = path + ".XXXXXX";
     const int fd = mkstemp(tmp.data());
     if (fd < 0) throw io_error("cannot write", path);
-    if (write_file(fd, n_vocab) && std::rename(tmp.c_str(), path.c_str()) == 0) return;
+    if (write_file(fd, vocab) && std::rename(tmp.c_str(), path.c_str()) == 0) return;
     const FileError error = io_error("cannot write", path);
     std::remove(tmp.c_str());  // a failed save leaves the old file and nothing beside it
     throw error;
 }
 
-bool SharedNgramIndex::write_file(int fd, int n_vocab) const {
+bool SharedNgramIndex::write_file(int fd, VocabKey vocab) const {
     std::FILE* out = fdopen(fd, "wb");
     if (!out) {
         close(fd);
@@ -131,7 +133,8 @@ bool SharedNgramIndex::write_file(int fd, int n_vocab) const {
     }
     FileHeader h{};
     std::memcpy(h.magic, kMagic, sizeof kMagic);
-    h.n_vocab = n_vocab;
+    h.n_vocab = vocab.n_vocab;
+    h.vocab_fingerprint = vocab.fingerprint;
     h.ngram_min = ngram_min_;
     h.ngram_max = ngram_max_;
     h.n_tokens = tokens_.size();
@@ -143,7 +146,7 @@ bool SharedNgramIndex::write_file(int fd, int n_vocab) const {
     return std::fclose(out) == 0 && ok;
 }
 
-void SharedNgramIndex::load(const std::string& path, int n_vocab) {
+void SharedNgramIndex::load(const std::string& path, VocabKey vocab) {
     // Opening a named pipe would wait for a writer, and a device may never end.
     struct stat st{};
     if (stat(path.c_str(), &st) != 0) throw io_error("cannot read", path);
@@ -158,11 +161,18 @@ void SharedNgramIndex::load(const std::string& path, int n_vocab) {
     in.read(reinterpret_cast<char*>(&h), sizeof h);
     in.read(reinterpret_cast<char*>(evidence.data()), sizeof evidence);
     const std::string bad = path + " is not a shared n-gram index of this model: ";
-    if (!in || std::memcmp(h.magic, kMagic, sizeof kMagic) != 0)
+    if (!in || std::memcmp(h.magic, kMagic, sizeof kMagic - 1) != 0)
         throw std::invalid_argument(bad + "no index header");
+    if (h.magic[sizeof kMagic - 1] != kMagic[sizeof kMagic - 1])
+        throw std::invalid_argument(bad + "its format is another version's (" +
+                                    std::string(1, h.magic[sizeof kMagic - 1]) + ", this one " +
+                                    std::string(1, kMagic[sizeof kMagic - 1]) + ")");
+    const int n_vocab = vocab.n_vocab;
     if (h.n_vocab != n_vocab)
         throw std::invalid_argument(bad + "its vocabulary has " + std::to_string(h.n_vocab) +
                                     " tokens, the model's " + std::to_string(n_vocab));
+    if (h.vocab_fingerprint != vocab.fingerprint)
+        throw std::invalid_argument(bad + "its vocabulary has other tokens");
     if (h.ngram_min < 1 || h.ngram_max < h.ngram_min || h.ngram_max > kMaxNgram)
         throw std::invalid_argument(bad + "its n-gram lengths are out of range");
     // Before allocating: a forged count must not cost memory.

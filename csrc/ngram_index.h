@@ -18,6 +18,12 @@
 
 namespace specdec {
 
+// The vocabulary an index file's token ids belong to.
+struct VocabKey {
+    int32_t n_vocab;
+    uint64_t fingerprint;  // vocab_fingerprint()
+};
+
 class SharedNgramIndex {
   public:
     // Below it an index holds too little to be worth its lookups.
@@ -39,11 +45,11 @@ class SharedNgramIndex {
     // request says little, and agent loops send many short ones.
     CopyPolicy& copy_policy() { return copy_; }
     // Writes what it holds (outputs and copy evidence) to `path` (through a temporary file, so
-    // a crash leaves the old one), for a vocabulary of n_vocab tokens; load() replaces what it
-    // holds with a file's. Throws FileError on I/O errors and std::invalid_argument
-    // on a file that is no index, or one for another vocabulary.
-    void save(const std::string& path, int n_vocab) const;
-    void load(const std::string& path, int n_vocab);
+    // a crash leaves the old one), for the vocabulary `vocab`; load() replaces what it holds
+    // with a file's. Throws FileError on I/O errors and std::invalid_argument on a file that is
+    // no index, or one for another vocabulary (another size, or the same size and other tokens).
+    void save(const std::string& path, VocabKey vocab) const;
+    void load(const std::string& path, VocabKey vocab);
     size_t bytes() const;
     size_t n_tokens() const { return tokens_.size(); }
     // Forgets everything (the copy evidence too): what add() or load() leave when they fail.
@@ -53,7 +59,7 @@ class SharedNgramIndex {
     // Separates outputs, so that no match or draft runs from one into the next.
     static constexpr llama_token kBoundary = -1;
     void index_from(size_t begin);
-    bool write_file(int fd, int n_vocab) const;  // closes fd
+    bool write_file(int fd, VocabKey vocab) const;  // closes fd
     void forget_older_half();
     void fit_budget();
 

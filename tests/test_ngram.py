@@ -292,14 +292,16 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
         assert again["stats"]["accepted_by_index"] > 10
         held = dec.ngram_index["tokens"]
         saved = path.read_bytes()
-        header = 32  # magic, n_vocab, ngram_min, ngram_max, (padding), n_tokens
-        forged_count = saved[:24] + (1 << 31).to_bytes(8, "little") + saved[header:]
+        header = 40  # magic, n_vocab, ngram_min, ngram_max, (padding), n_tokens, vocab's hash
+        forged_count = saved[:24] + (1 << 31).to_bytes(8, "little") + saved[32:]
+        older = saved[:7] + b"1" + saved[8:]
         other_vocab = saved[:8] + (12345).to_bytes(4, "little") + saved[12:]
         lengths = saved[:12] + (9).to_bytes(4, "little") + (2).to_bytes(4, "little") + saved[20:]
         # Tries past 2**53: a new try would add nothing, the evidence fixed for good.
         pinned = saved[:header] + struct.pack("<d", 1e17) * 2 + saved[header + 16 :]
         for content, why in (
             (b"not an index at all", "no index header"),
+            (older, "format is another version's"),
             (saved[:-4], "length"),
             (forged_count, "length"),  # refused before anything is allocated for it
             (other_vocab, "vocabulary"),
@@ -311,6 +313,11 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
             with pytest.raises(ValueError, match=why):
                 dec.load_ngram_index(bad)
         assert dec.ngram_index["tokens"] == held  # a refused file changes nothing
+    # The same number of tokens (past the size check), other tokens: its ids would draft nonsense.
+    other = models.write_tiny_model(tmp_path / "other.gguf", n_extra_tokens=59, user_tokens=["<x>"])
+    with sd.SpeculativeDecoder(other, "ngram", n_draft=3, n_ctx=128, ngram_index_mb=1) as dec:
+        with pytest.raises(ValueError, match="its vocabulary has other tokens"):
+            dec.load_ngram_index(path)
     with sd.SpeculativeDecoder(tiny_pair.target, "ngram", n_ctx=128) as dec:
         with pytest.raises(ValueError, match="no shared n-gram index"):
             dec.save_ngram_index(path)
