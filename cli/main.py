@@ -1125,7 +1125,7 @@ def serve(
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            app.state.server.begin_shutdown()
+            app.state.server.begin_shutdown(signal.Signals(sig).name)
             super().handle_exit(sig, frame)
 
     server = Server(config)

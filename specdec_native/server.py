@@ -602,29 +602,34 @@ class Server:
             self._cut_running()
             self._save_index(self.decoder)
             self.decoder.close()
+        log.info("stopped")
 
     # -- shutdown ------------------------------------------------------------------------------
 
-    def begin_shutdown(self) -> None:
-        """On SIGTERM (from the signal handler): requests still waiting for a slot get a 503 at
-        once, new ones too; running ones get `grace` seconds, then are cut (a stream ends with a
-        finish reason and [DONE])."""
+    def begin_shutdown(self, why: str) -> None:
+        """On SIGTERM (from the signal handler; `why` names it for the log): requests still
+        waiting for a slot get a 503 at once, new ones too; running ones get `grace` seconds,
+        then are cut (a stream ends with a finish reason and [DONE])."""
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._drain)
+            self.loop.call_soon_threadsafe(self._drain, why)
 
-    def _drain(self) -> None:
+    def _drain(self, why: str) -> None:
         if self.draining:
             return
         self.draining = True
         if self.drained is not None:
             self.drained.set()
-        for run in list(self.runs):
-            if not run.started.is_set():
-                run.cancel("shutdown")
+        waiting = [run for run in self.runs if not run.started.is_set()]
+        fields = {"signal": why, "running": len(self.runs) - len(waiting), "waiting": len(waiting)}
+        log.info("shutting down", extra={"fields": fields | {"grace_s": self.settings.grace}})
+        for run in waiting:
+            run.cancel("shutdown")
         assert self.loop is not None
         self.loop.call_later(self.settings.grace, self._cut_running)
 
     def _cut_running(self) -> None:
+        if self.runs:
+            log.info("cutting running requests", extra={"fields": {"running": len(self.runs)}})
         for run in list(self.runs):
             run.cancel("grace")
 

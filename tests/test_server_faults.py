@@ -291,6 +291,13 @@ def test_a_stream_cut_at_the_grace_limit_ends_cleanly_and_queued_requests_get_50
     assert code == 0
     log = s.stderr()
     assert "finish_reason=grace" in log and log.count("finish_reason=shutdown") == 2
+    # What ended the server, and what it found, in the log's order.
+    said = [log.index(line) for line in (
+        "shutting down signal=SIGTERM running=1 waiting=2 grace_s=2",
+        "cutting running requests running=1",
+        "stopped",
+    )]  # fmt: skip
+    assert said == sorted(said)
     assert "Traceback" not in log
 
 
@@ -314,6 +321,7 @@ def test_json_logs_are_json_and_a_request_that_is_not_http_is_counted(
         assert s.stop() == 0
     lines = [json.loads(line) for line in s.stderr().splitlines()]  # every line JSON
     assert any(line["message"] == "serving" for line in lines)
+    assert lines[-1]["message"] == "stopped"
     assert any(line["message"] == "refused" and line.get("status") == 400 for line in lines)
 
 
