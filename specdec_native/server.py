@@ -1005,16 +1005,23 @@ class TextOffsets:
         return start
 
 
+def _body_too_large() -> RequestError:
+    # The rest of the body is never read: the connection closes after the answer, rather than
+    # leave its client blocked sending until the keep-alive timeout.
+    why = f"the request body is over {MAX_BODY_BYTES} bytes"
+    return RequestError(413, why, headers={"Connection": "close"})
+
+
 async def _read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        raise _body_too_large()
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > MAX_BODY_BYTES:
-                raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+                raise _body_too_large()
             chunks.append(chunk)
     except ClientDisconnect:  # counted and logged as a refusal nobody reads
         raise RequestError(499, "the client hung up while sending the body") from None

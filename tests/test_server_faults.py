@@ -19,6 +19,7 @@ import pytest
 from server_process import Server, start
 
 from specdec_native import models
+from specdec_native.openai_api import MAX_BODY_BYTES
 
 COUNTING = "Count from one to one thousand in words: one, two, three, four,"
 
@@ -404,3 +405,25 @@ def test_a_soak_of_hostile_traffic_loses_nothing_and_leaks_nothing(
     finally:
         assert s.stop() == 0
     assert "Traceback" not in s.stderr()
+
+
+def test_a_chunked_body_past_the_limit_gets_its_413_and_the_connection_closes(
+    server: Server,
+) -> None:
+    # Its client is still sending: left open, it would block until the keep-alive timeout.
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b"%x\r\n%s\r\n" % (1 << 20, b"x" * (1 << 20))
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 1):
+            sock.sendall(chunk)
+        answer = read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
+        sock.settimeout(2.0)
+        try:
+            assert sock.recv(4096) == b""  # closed by the server
+        except ConnectionResetError:
+            pass  # closed with what it did not read still in its buffer
