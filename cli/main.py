@@ -414,6 +414,11 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 @sampling_options(temperature=0.0)
 @click.option("--seed", default=None, type=int, help="Random seed (default: random).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option(
+    "--ignore-eos",
+    is_flag=True,
+    help="Never generate an end-of-generation token: run to -n (as llama.cpp's).",
+)
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True, type=int)
 @click.option("-t", "--threads", "n_threads", default=None, type=int)
 @click.option("-b", "--batch-size", "n_batch", default=512, show_default=True, type=int)
@@ -456,6 +461,7 @@ def run(
     draft_p_min: float,
     seed: int | None,
     stop: tuple[str, ...],
+    ignore_eos: bool,
     n_ctx: int,
     n_threads: int | None,
     n_batch: int,
@@ -530,6 +536,7 @@ def run(
             max_tokens,
             seed=seed,
             stop=list(stop),
+            ignore_eos=ignore_eos,
             draft_p_min=draft_p_min,
             json_schema=None if json_schema_file is None else _read_text(json_schema_file),
             grammar=None if grammar_file is None else _read_text(grammar_file),

@@ -285,6 +285,7 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("repeat_penalty", &GenerateRequest::repeat_penalty)
         .def_readwrite("repeat_last_n", &GenerateRequest::repeat_last_n)
         .def_readwrite("ngram_index", &GenerateRequest::ngram_index)
+        .def_readwrite("ignore_eos", &GenerateRequest::ignore_eos)
         .def_property(
             "draft_rule",
             [](const GenerateRequest& r) { return std::string(draft_rule_name(r.draft_rule)); },

@@ -215,6 +215,10 @@ void Engine::check_request_values(const GenerateRequest& request) {
         throw std::invalid_argument("repeat_penalty must be a finite number > 0 (1: off)");
     if (request.repeat_last_n < -1)
         throw std::invalid_argument("repeat_last_n must be >= -1 (-1: the whole sequence)");
+    if (request.ignore_eos && !request.constraint_kind.empty())
+        throw std::invalid_argument(
+            "ignore_eos cannot be combined with structured output (a JSON schema, grammar, "
+            "regex or tools): the output could never end");
     if (request.logprobs < -1 || request.logprobs > kMaxTopLogprobs)
         throw std::invalid_argument("logprobs must be -1 (none) or in [0, " +
                                     std::to_string(kMaxTopLogprobs) + "], got " +

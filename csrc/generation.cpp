@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <limits>
 #include <utility>
 
 #include "errors.h"
@@ -409,6 +410,9 @@ const float* Generation::target_logits(size_t row) {
             " produced non-finite logits (NaN or Inf) for the token at position " +
             std::to_string(base_ + row) + ": the model file or the backend is broken");
     for (const auto& [token, bias] : req_.logit_bias) logits[token] += bias;
+    if (req_.ignore_eos)
+        for (llama_token t : parts_.target.eog_tokens())
+            logits[t] = -std::numeric_limits<float>::infinity();
     // Penalties and the grammar's place are after the verdicts of the rows before this one
     // (accept() reads the rows in order and hands each verdict to both).
     apply_penalties(logits);

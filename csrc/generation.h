@@ -86,6 +86,10 @@ struct GenerateRequest {
     // false: the request neither drafts from the engine's shared n-gram index nor adds its
     // output to it (its own text's n-gram drafts stay).
     bool ngram_index = true;
+    // true: the target's end-of-generation tokens are masked out (llama.cpp's ignore_eos), so
+    // the request runs to max_tokens, a stop string or a full context. Not with a grammar,
+    // whose only way to end is such a token.
+    bool ignore_eos = false;
 };
 
 constexpr int kMaxTopLogprobs = 20;

@@ -64,6 +64,8 @@ Model::Model(const ModelParams& params)
       held_(static_cast<size_t>(std::max(params.n_seq, 1))) {
     clear_recent_errors();
     vocab_ = llama_model_get_vocab(model_.get());
+    for (llama_token t = 0; t < n_vocab(); ++t)
+        if (is_eog(t)) eog_.push_back(t);
     n_swa_ = llama_model_n_swa(model_.get());
 
     llama_context_params cparams = llama_context_default_params();

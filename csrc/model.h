@@ -59,7 +59,8 @@ class Model {
     std::string token_piece(llama_token token) const;  // raw bytes, special tokens rendered
     std::string detokenize(const std::vector<llama_token>& tokens) const;
     bool is_eog(llama_token token) const { return llama_vocab_is_eog(vocab_, token); }
-    std::string meta(const std::string& key) const;  // "" when absent
+    const std::vector<llama_token>& eog_tokens() const { return eog_; }  // every is_eog one
+    std::string meta(const std::string& key) const;                      // "" when absent
     std::string description() const;
     // With the model's own template, or `template_name` (one of chat_template_names()).
     std::string apply_chat_template(
@@ -104,6 +105,7 @@ class Model {
     int n_ctx_;
     bool offloaded_;
     int32_t n_swa_ = 0;  // the attention window of its sliding-window layers (0: none)
+    std::vector<llama_token> eog_;
     std::vector<std::vector<llama_token>> held_;  // [seq]
 };
 

@@ -42,6 +42,7 @@ class Request:
     repeat_penalty: float
     repeat_last_n: int
     ngram_index: bool
+    ignore_eos: bool
     logprobs: int  # -1: none; n: the token's and its n most likely alternatives'
     def __init__(self) -> None: ...
 

@@ -776,6 +776,7 @@ class GenerationSettings:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     ngram_index: bool = True  # False: neither drafts from the shared index nor adds to it
+    ignore_eos: bool = False  # True: end-of-generation tokens are never generated
 
     @classmethod
     def checked(cls, **given: Any) -> GenerationSettings:
@@ -811,6 +812,7 @@ class GenerationSettings:
             ),
             repeat_last_n=_check_int("repeat_last_n", d["repeat_last_n"], -1),
             ngram_index=_check_bool("ngram_index", d["ngram_index"]),
+            ignore_eos=_check_bool("ignore_eos", d["ignore_eos"]),
             max_tokens=_check_int("max_tokens", d["max_tokens"]),
             temperature=_check_float("temperature", d["temperature"]),
             top_k=_check_int("top_k", d["top_k"]),
@@ -867,6 +869,7 @@ class GenerationSettings:
         # sampled text depend on what came before (greedy text does not).
         repeatable = self.seed is not None and self.temperature > 0 and not adaptive
         request.ngram_index = self.ngram_index and not repeatable
+        request.ignore_eos = self.ignore_eos
         if self.constraint is not None:
             _load_llguidance()
             request.constraint_kind, request.constraint = self.constraint
@@ -1340,6 +1343,7 @@ class SpeculativeDecoder:
         repeat_penalty: float = 1.0,
         repeat_last_n: int = 64,
         ngram_index: bool = True,
+        ignore_eos: bool = False,
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
@@ -1389,6 +1393,9 @@ class SpeculativeDecoder:
         0: none), before the two above.
         ``ngram_index=False`` keeps this call out of the decoder's shared n-gram index
         (``ngram_index_mb``): it neither drafts from earlier requests' outputs nor adds its own.
+        ``ignore_eos=True`` removes the end-of-generation tokens from the target's distribution
+        (as llama.cpp's ignore_eos): the call runs to ``max_tokens``, a stop string or a full
+        context (a benchmark's fixed length); not with structured output, which ends only so.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(
@@ -1412,6 +1419,7 @@ class SpeculativeDecoder:
             repeat_penalty=repeat_penalty,
             repeat_last_n=repeat_last_n,
             ngram_index=ngram_index,
+            ignore_eos=ignore_eos,
         )
         return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)
 

@@ -71,7 +71,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "dry_multiplier": _used_unless(_at_most(0)),
     "n_probs": _used_unless(_at_most(0)),
     "min_keep": _used_unless(_at_most(1)),  # a sampler always keeps one token
-    "ignore_eos": _used_unless(lambda v: v is False),
     "grammar_lazy": _used_unless(lambda v: v is False),
     "lora": _used_unless(lambda v: v == []),
 }
@@ -224,6 +223,11 @@ class _Generation(_Body):
         True,
         description="false: neither draft from the server's shared n-gram index (earlier "
         "requests' outputs) nor add this request's output to it",
+    )
+    ignore_eos: bool = Field(
+        False,
+        description="llama-server's: never generate an end-of-generation token, so that the "
+        "answer runs to max_tokens (not with response_format, json_schema, grammar or tools)",
     )
 
     @field_validator("stop", mode="before")

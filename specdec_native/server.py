@@ -316,6 +316,7 @@ def _job(
         logprobs=body.n_logprobs,
         logit_bias=body.token_biases,
         ngram_index=body.ngram_index,
+        ignore_eos=body.ignore_eos,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Job(prompt, generation, body.stream, include_usage, tools)

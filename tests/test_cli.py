@@ -67,6 +67,8 @@ def test_run_with_a_json_schema_a_grammar_or_a_regex(
     assert_one_line_error(r, "json_schema")
     r = run_cli("run", *pair, "-p", "x", "--regex", "[0-9", "--grammar", tmp_path / "g.lark")
     assert_one_line_error(r, "at most one")
+    r = run_cli("run", *pair, "-p", "x", "--regex", "[0-9]{4}", "--ignore-eos")
+    assert_one_line_error(r, "ignore_eos cannot be combined with structured output")
 
 
 def test_run_streams_text_and_prints_stats(deep_pair: models.ModelPair) -> None:

@@ -91,6 +91,29 @@ def test_repeat_penalty_is_llama_cpps_and_speculation_keeps_it(
     assert deep_decoder.generate(prompt, 24, n_draft=4).tokens != spec.tokens
 
 
+def test_ignore_eos_runs_to_max_tokens_and_speculation_keeps_it(
+    deep_decoder: sd.SpeculativeDecoder,
+) -> None:
+    prompt = deep_decoder.tokenize("Once upon a time", add_special=True, parse_special=True)
+    eos = deep_decoder.info()["target"]["eos"]
+    ends = {"logit_bias": {eos: 100}}  # the end token first, wherever it may come
+    assert deep_decoder.generate(prompt, 24, n_draft=0, **ends).finish_reason == "stop"
+    base = deep_decoder.generate(prompt, 24, n_draft=0, ignore_eos=True, **ends)
+    assert base.finish_reason == "length" and len(base.tokens) == 24 and eos not in base.tokens
+    spec = deep_decoder.generate(prompt, 24, n_draft=4, ignore_eos=True, **ends)
+    assert spec.stats.n_drafted > 0 and spec.finish_reason == "length"
+    assert_same_or_near_tie(spec, base, NEAR_TIE_GAP)
+    for seed in range(4):  # sampled: never the end token, whatever the draft proposes
+        r = deep_decoder.generate(
+            prompt, 16, temperature=1.0, seed=seed, n_draft=3, ignore_eos=True, **ends
+        )
+        assert r.finish_reason == "length" and eos not in r.tokens
+    with pytest.raises(ValueError, match="ignore_eos cannot be combined with structured"):
+        deep_decoder.generate(prompt, 8, ignore_eos=True, regex="[a-z]+")
+    with pytest.raises(TypeError, match="ignore_eos must be"):
+        deep_decoder.generate(prompt, 8, ignore_eos="yes")
+
+
 @pytest.mark.parametrize(
     "kwargs,error",
     [

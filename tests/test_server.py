@@ -1156,7 +1156,7 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
         {"echo": True}, {"suffix": "!"}, {"best_of": 2}, {"functions": [{"name": "f"}]},
         {"typical_p": 0.9}, {"mirostat": 2}, {"dynatemp_range": 0.5}, {"top_n_sigma": 1.0},
         {"xtc_probability": 0.5}, {"dry_multiplier": 0.8}, {"n_probs": 3}, {"min_keep": 2},
-        {"ignore_eos": True}, {"grammar_lazy": True}, {"lora": [{"id": 0, "scale": 1}]},
+        {"grammar_lazy": True}, {"lora": [{"id": 0, "scale": 1}]},
         {"typical_p": "0.9"}, {"n_predict": 0}, {"chat_template_kwargs": {"enable_thinking": False}},
     ]  # fmt: skip
     for fields in refused:
@@ -1261,6 +1261,31 @@ def test_tokenize_and_detokenize_as_llama_server(chat_server: Server, smollm2_q4
     for raw in (b"{not json", b'{"content": "\\ud800"}'):  # the second: a lone surrogate
         r = httpx.post(chat_server.url + "/tokenize", content=raw, timeout=60)
         assert r.status_code == 400, (raw, r.text)
+
+
+def test_ignore_eos_runs_to_max_tokens(
+    chat_server: Server, client: openai.OpenAI, smollm2_q40: Path
+) -> None:
+    import llama_cpp
+
+    eos = llama_cpp.Llama(str(smollm2_q40), vocab_only=True, verbose=False).token_eos()
+    ends = {"logit_bias": {str(eos): 100}}  # the end token first, wherever it may come
+
+    def complete(**extra: object) -> Any:
+        return client.completions.create(
+            model="smol", prompt="Colours:", max_tokens=12, temperature=0, extra_body=extra
+        )
+
+    assert complete(**ends).choices[0].finish_reason == "stop"
+    r = complete(**ends, ignore_eos=True)
+    assert r.choices[0].finish_reason == "length" and r.usage is not None
+    assert r.usage.completion_tokens == 12
+    refused = httpx.post(
+        chat_server.url + "/v1/completions",
+        json={"prompt": "Colours:", "ignore_eos": True, "json_schema": {"type": "object"}},
+        timeout=60,
+    )
+    assert refused.status_code == 400 and "ignore_eos" in refused.json()["error"]["message"]
 
 
 def test_penalties_and_logit_bias(
