@@ -232,6 +232,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     out["finish_reason"] = finish_reason_name(result.finish_reason);
     out["margins"] = result.margins;
     out["logprobs"] = logprob_tuples(result.logprobs);
+    out["prompt_logprobs"] = logprob_tuples(result.prompt_logprobs);
     out["stats"] = stats_dict(result.stats);
     return out;
 }
@@ -286,6 +287,7 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("repeat_last_n", &GenerateRequest::repeat_last_n)
         .def_readwrite("ngram_index", &GenerateRequest::ngram_index)
         .def_readwrite("ignore_eos", &GenerateRequest::ignore_eos)
+        .def_readwrite("prompt_logprobs", &GenerateRequest::prompt_logprobs)
         .def_property(
             "draft_rule",
             [](const GenerateRequest& r) { return std::string(draft_rule_name(r.draft_rule)); },

@@ -223,6 +223,10 @@ void Engine::check_request_values(const GenerateRequest& request) {
         throw std::invalid_argument("logprobs must be -1 (none) or in [0, " +
                                     std::to_string(kMaxTopLogprobs) + "], got " +
                                     std::to_string(request.logprobs));
+    if (request.prompt_logprobs < -1 || request.prompt_logprobs > kMaxTopLogprobs)
+        throw std::invalid_argument("prompt_logprobs must be -1 (none) or in [0, " +
+                                    std::to_string(kMaxTopLogprobs) + "], got " +
+                                    std::to_string(request.prompt_logprobs));
 }
 
 void Engine::check_request(const GenerateRequest& request) const {

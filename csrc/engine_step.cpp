@@ -56,7 +56,14 @@ void Engine::step() {
     decode(*target_, target_batch_);
     const double t_verify = seconds_since(verify_start);
     learn_batch_cost(target_batch_.size(), t_verify);
-    for (Generation* g : prefilled_) g->prefill_decoded(t_verify);
+    for (Generation* g : prefilled_) {
+        try {
+            g->prefill_decoded(t_verify);
+        } catch (...) {  // its scored prompt's logits were not finite
+            failed_.emplace_back(g->seq(), std::current_exception());
+            starting_.erase(std::remove(starting_.begin(), starting_.end(), g), starting_.end());
+        }
+    }
     // After the decode: their rows in it had to be decoded in place.
     for (const auto& [seq, error] : failed_) retire(seq, error);
     if (!decoding_.empty()) size_prefill_chunk(t_verify, !prefilled_.empty());
@@ -155,7 +162,7 @@ struct PromptShare {
 PromptShare prompt_share(const Generation& g, int& budget, int room) {
     const int left = g.prompt_left();
     const bool chunked = left > Engine::kPrefillChunk;
-    const int rows = std::min({left, chunked ? budget : left, room});
+    const int rows = std::min({left, chunked ? budget : left, room, g.prefill_cap()});
     if (chunked) budget -= rows;
     return {rows, rows == left && rows < room && g.greedy()};
 }

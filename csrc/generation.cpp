@@ -66,14 +66,24 @@ void Generation::begin() {
     seq_ = req_.prompt;
     // The target's cache holds all committed tokens but the last, which each step decodes
     // together with the draft.
-    prefilled_ = parts_.target.keep_servable_prefix(seq_id_, seq_, seq_.size() - 1);
+    // A scored prompt is read whole: a cached prefix has no logits left to score it with.
+    prefilled_ =
+        parts_.target.keep_servable_prefix(seq_id_, seq_, scores_prompt() ? 0 : seq_.size() - 1);
     stats().n_prompt_cached = static_cast<int>(prefilled_);
 }
 
+int Generation::prefill_cap() const {
+    // 64 rows of logits: 12 MB on a 49k vocabulary, 67 MB on a 262k one.
+    return scores_prompt() ? 64 : std::numeric_limits<int>::max();
+}
+
 int Generation::add_prefill(Batch& batch, int budget) {
-    const size_t end = std::min(req_.prompt.size() - 1, prefilled_ + static_cast<size_t>(budget));
+    const size_t end = std::min(req_.prompt.size() - 1,
+                                prefilled_ + static_cast<size_t>(std::min(budget, prefill_cap())));
+    chunk_from_ = prefilled_;
+    chunk_first_row_ = batch.size();
     for (size_t i = prefilled_; i < end; ++i)
-        batch.add(seq_[i], static_cast<llama_pos>(i), false, seq_id_);
+        batch.add(seq_[i], static_cast<llama_pos>(i), scores_prompt(), seq_id_);
     const int added = static_cast<int>(end - prefilled_);
     prefilled_ = end;
     // The draft reads the prompt alongside, so its first draft does not have to; that read is
@@ -90,6 +100,25 @@ int Generation::add_prefill(Batch& batch, int budget) {
 void Generation::prefill_decoded(double seconds) {
     stats().t_prompt += seconds;
     ++stats().n_prompt_chunks;
+    if (scores_prompt()) score_prompt_rows();
+}
+
+// The row of prompt position i scores the prompt's token i + 1 (the chunk ends before the
+// prompt's last token, whose row is the first step's).
+void Generation::score_prompt_rows() {
+    const int n_vocab = parts_.target.n_vocab();
+    for (size_t i = chunk_from_; i < prefilled_; ++i) {
+        const float* logits = llama_get_logits_ith(
+            parts_.target.ctx(), chunk_first_row_ + static_cast<int32_t>(i - chunk_from_));
+        if (!all_finite(logits, n_vocab))
+            throw NonFiniteLogitsError("the target model " + parts_.target.path() +
+                                       " produced non-finite logits (NaN or Inf) for the prompt "
+                                       "token at position " +
+                                       std::to_string(i + 1) +
+                                       ": the model file or the backend is broken");
+        token_logprob(logits, n_vocab, seq_[i + 1], req_.prompt_logprobs, workspace_,
+                      result_.prompt_logprobs.emplace_back());
+    }
 }
 
 void Generation::add_first_row(Batch& batch) {

@@ -90,6 +90,11 @@ struct GenerateRequest {
     // the request runs to max_tokens, a stop string or a full context. Not with a grammar,
     // whose only way to end is such a token.
     bool ignore_eos = false;
+    // -1: none; n >= 0: each prompt token's log-probability (all but the first, which nothing
+    // predicts) under the target's own distribution (temperature 1, before logit_bias,
+    // penalties and grammar: the model's, as a scorer wants it) and its n most likely
+    // alternatives'. The prompt is then read afresh (no cached prefix: its logits are needed).
+    int prompt_logprobs = -1;
 };
 
 constexpr int kMaxTopLogprobs = 20;
@@ -120,6 +125,8 @@ struct GenerationResult {
     // Greedy only: for each token, the target's top-1 minus top-2 logit where it was chosen.
     std::vector<float> margins;
     std::vector<TokenLogprob> logprobs;  // per token, when the request asked for them
+    // Per prompt token after the first, when the request asked for them (prompt_logprobs).
+    std::vector<TokenLogprob> prompt_logprobs;
     Stats stats;
 };
 
@@ -197,10 +204,14 @@ class Generation {
     bool prefilling() const { return prefilled_ + 1 < req_.prompt.size(); }
     // The prompt's tokens not yet in the target's cache (the last is decoded with the first step).
     int prompt_left() const { return static_cast<int>(req_.prompt.size() - 1 - prefilled_); }
-    // Adds up to `budget` of the prompt's missing tokens to the target's batch (no logits) and
-    // decodes as many into the draft's cache. Returns how many it added.
+    // The most prompt rows one decode may take for it: each row of a scored prompt
+    // (prompt_logprobs) has logits, a vocabulary's floats.
+    int prefill_cap() const;
+    // Adds up to `budget` of the prompt's missing tokens to the target's batch (logits only
+    // where the prompt is scored) and decodes as many into the draft's cache. Returns how many
+    // it added.
     int add_prefill(Batch& batch, int budget);
-    // After the decode holding the prefill rows.
+    // After the decode holding the prefill rows: scores them where asked.
     void prefill_decoded(double seconds);
     // With the prompt's last chunk: appends its last token's row, with logits, so that the
     // first token comes from the same decode (accept() reads it, `with_prompt`).
@@ -308,6 +319,8 @@ class Generation {
     bool drafts_argmax() const;
     llama_token target_token(size_t row);
     void record_logprob(size_t row, llama_token verdict);
+    bool scores_prompt() const { return req_.prompt_logprobs >= 0; }
+    void score_prompt_rows();
     int commit(size_t j);
     void emit(const std::string& text, const TokenLogprob* logprob = nullptr);
     void hand_over_text();
@@ -336,6 +349,8 @@ class Generation {
     Clock::time_point admitted_;
     std::vector<llama_token> seq_;            // prompt + committed tokens
     size_t prefilled_ = 0;                    // prompt tokens the target's cache holds
+    size_t chunk_from_ = 0;                   // the last prefill chunk's first prompt position
+    int chunk_first_row_ = 0;                 // and its first row in the target's batch
     int k_ = 0;                               // this step's K
     int cap_ = 0;                             // the most this step may draft
     bool falling_back_ = false;               // this step's policy chose target-only (and why)

@@ -43,6 +43,7 @@ class Request:
     repeat_last_n: int
     ngram_index: bool
     ignore_eos: bool
+    prompt_logprobs: int  # -1: none; n: each prompt token's (but the first) and n alternatives'
     logprobs: int  # -1: none; n: the token's and its n most likely alternatives'
     def __init__(self) -> None: ...
 

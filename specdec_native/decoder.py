@@ -213,6 +213,8 @@ class GenerationResult:
     margins: list[float] = field(default_factory=list)
     # When asked for (logprobs=n): per token, its log-probability and the n likeliest tokens'.
     logprobs: list[TokenLogprob] | None = None
+    # When asked for (prompt_logprobs=n): the same for each prompt token but the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -777,6 +779,7 @@ class GenerationSettings:
     repeat_last_n: int = 64
     ngram_index: bool = True  # False: neither drafts from the shared index nor adds to it
     ignore_eos: bool = False  # True: end-of-generation tokens are never generated
+    prompt_logprobs: int | None = None  # n: each prompt token's (but the first) and n others'
 
     @classmethod
     def checked(cls, **given: Any) -> GenerationSettings:
@@ -813,6 +816,9 @@ class GenerationSettings:
             repeat_last_n=_check_int("repeat_last_n", d["repeat_last_n"], -1),
             ngram_index=_check_bool("ngram_index", d["ngram_index"]),
             ignore_eos=_check_bool("ignore_eos", d["ignore_eos"]),
+            prompt_logprobs=None
+            if d["prompt_logprobs"] is None
+            else _check_int("prompt_logprobs", d["prompt_logprobs"], 0, MAX_TOP_LOGPROBS),
             max_tokens=_check_int("max_tokens", d["max_tokens"]),
             temperature=_check_float("temperature", d["temperature"]),
             top_k=_check_int("top_k", d["top_k"]),
@@ -870,6 +876,7 @@ class GenerationSettings:
         repeatable = self.seed is not None and self.temperature > 0 and not adaptive
         request.ngram_index = self.ngram_index and not repeatable
         request.ignore_eos = self.ignore_eos
+        request.prompt_logprobs = -1 if self.prompt_logprobs is None else self.prompt_logprobs
         if self.constraint is not None:
             _load_llguidance()
             request.constraint_kind, request.constraint = self.constraint
@@ -1344,6 +1351,7 @@ class SpeculativeDecoder:
         repeat_last_n: int = 64,
         ngram_index: bool = True,
         ignore_eos: bool = False,
+        prompt_logprobs: Integer | None = None,
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
@@ -1396,6 +1404,11 @@ class SpeculativeDecoder:
         ``ignore_eos=True`` removes the end-of-generation tokens from the target's distribution
         (as llama.cpp's ignore_eos): the call runs to ``max_tokens``, a stop string or a full
         context (a benchmark's fixed length); not with structured output, which ends only so.
+        ``prompt_logprobs=n`` (0-20) fills ``result.prompt_logprobs`` with each prompt token's
+        log-probability after the tokens before it (all but the first), and the n likeliest
+        tokens', under the target model's own distribution (temperature 1, before logit_bias,
+        penalties and any grammar): what a scorer or a perplexity wants. The prompt is then
+        read whole, without a cached prefix.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(
@@ -1420,6 +1433,7 @@ class SpeculativeDecoder:
             repeat_last_n=repeat_last_n,
             ngram_index=ngram_index,
             ignore_eos=ignore_eos,
+            prompt_logprobs=prompt_logprobs,
         )
         return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)
 
@@ -1472,6 +1486,9 @@ class SpeculativeDecoder:
             prompt_tokens=tokens,
             margins=list(out["margins"]),
             logprobs=None if settings.logprobs is None else _token_logprobs(out["logprobs"]),
+            prompt_logprobs=None
+            if settings.prompt_logprobs is None
+            else _token_logprobs(out["prompt_logprobs"]),
         )
         if out["stats"]["recalibrated"]:
             self._calibration = "measured"

@@ -96,7 +96,7 @@ def test_ignore_eos_runs_to_max_tokens_and_speculation_keeps_it(
 ) -> None:
     prompt = deep_decoder.tokenize("Once upon a time", add_special=True, parse_special=True)
     eos = deep_decoder.info()["target"]["eos"]
-    ends = {"logit_bias": {eos: 100}}  # the end token first, wherever it may come
+    ends: dict[str, Any] = {"logit_bias": {eos: 100}}  # the end token first, wherever it comes
     assert deep_decoder.generate(prompt, 24, n_draft=0, **ends).finish_reason == "stop"
     base = deep_decoder.generate(prompt, 24, n_draft=0, ignore_eos=True, **ends)
     assert base.finish_reason == "length" and len(base.tokens) == 24 and eos not in base.tokens
@@ -111,7 +111,7 @@ def test_ignore_eos_runs_to_max_tokens_and_speculation_keeps_it(
     with pytest.raises(ValueError, match="ignore_eos cannot be combined with structured"):
         deep_decoder.generate(prompt, 8, ignore_eos=True, regex="[a-z]+")
     with pytest.raises(TypeError, match="ignore_eos must be"):
-        deep_decoder.generate(prompt, 8, ignore_eos="yes")
+        deep_decoder.generate(prompt, 8, ignore_eos="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

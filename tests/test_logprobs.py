@@ -84,3 +84,31 @@ def test_streamed_logprobs_come_with_their_text(deep_decoder: sd.SpeculativeDeco
     for (kind, _), (next_kind, _) in zip(events, events[1:]):
         assert kind == "text" or next_kind == "text"  # logprobs always lead a piece of text
     assert events[-1][0] == "text"
+
+
+def test_prompt_logprobs_score_every_prompt_token_but_the_first(
+    deep_decoder: sd.SpeculativeDecoder,
+) -> None:
+    sentence = "The quick brown fox jumps over the lazy dog."
+    prompt = deep_decoder.tokenize(" ".join([sentence] * 8), add_special=True, parse_special=True)
+    assert len(prompt) > 64  # more than one scored chunk
+    deep_decoder.generate(prompt, 2)  # the prompt cached: a scored prompt is read afresh
+    out = deep_decoder.generate(prompt, 3, n_draft=3, prompt_logprobs=2, logit_bias={0: -100})
+    scored = out.prompt_logprobs
+    assert scored is not None and [e.token for e in scored] == prompt[1:]
+    assert out.stats.n_prompt_cached == 0 and len(out.tokens) == 3
+    for i in (0, 1, 30, 63, 64, 65, len(prompt) - 2):  # either side of a chunk's end
+        fresh = _log_softmax(deep_decoder.next_token_logits(prompt[: i + 1]))
+        # The model's own distribution (not the request's logit_bias), read from a batch of up
+        # to 64 prompt rows: a fresh one-token read differs by its float noise.
+        assert scored[i].logprob == pytest.approx(fresh[prompt[i + 1]], abs=0.35)
+        values = [lp for _, lp in scored[i].top]
+        assert len(values) == 2 and values == sorted(values, reverse=True)
+        assert scored[i].logprob <= values[0] + 1e-6
+    # A text the model has read once is likelier the second time: a perplexity's raw material.
+    per_sentence = len(scored) // 8
+    first, last = scored[:per_sentence], scored[-per_sentence:]
+    assert sum(e.logprob for e in last) > sum(e.logprob for e in first) + 10
+    assert deep_decoder.generate(prompt, 2).prompt_logprobs is None
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        deep_decoder.generate(prompt, 2, prompt_logprobs=21)
