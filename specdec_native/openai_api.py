@@ -60,7 +60,6 @@ def _at_most(limit: float) -> Callable[[Any], bool]:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "echo": lambda v: bool(v),
     "suffix": lambda v: bool(v),
     "best_of": lambda v: v not in (None, 1),
     "typical_p": _used_unless(lambda v: not isinstance(v, bool) and v >= 1),
@@ -419,10 +418,23 @@ class ChatCompletionRequest(_Generation):
 class CompletionRequest(_Generation):
     prompt: Union[str, list[int]] = Field(description="text, or token ids; a batch of one")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: Optional[int] = Field(
+        None, ge=0, le=MAX_INT, description="0 (with echo): score the prompt, generate nothing"
+    )
+    echo: bool = Field(
+        False,
+        description="the text starts with the prompt, and logprobs cover its tokens (the "
+        "first null where nothing came before it): what a scorer such as lm-eval reads",
+    )
 
     @property
     def n_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt scored, nothing generated."""
+        return self.echo and self.token_limit == 0
 
     @model_validator(mode="after")
     def _no_chat_fields(self) -> CompletionRequest:
@@ -430,6 +442,10 @@ class CompletionRequest(_Generation):
             raise ValueError("tools are for /v1/chat/completions")
         if self.chat_template_kwargs:
             raise ValueError("chat_template_kwargs are for /v1/chat/completions")
+        if self.token_limit == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it scores the prompt with echo")
+        if self.echo and self.stream:
+            raise ValueError("echo is answered whole: send it without stream")
         return self
 
     @field_validator("prompt", mode="before")
@@ -523,6 +539,8 @@ def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionReque
     for name, used in UNSUPPORTED.items():
         if name in body and used(body[name]):
             raise BodyError(f"'{name}' is not supported by this server", param=name)
+    if chat and body.get("echo"):
+        raise BodyError("'echo' is for /v1/completions", param="echo")
     n = body.get("n")
     if type(n) is int and n > 1:
         raise BodyError("'n' > 1 is not supported: send one request per choice", param="n")

@@ -271,6 +271,8 @@ class Job:
     stream: bool
     include_usage: bool
     tools: ToolFormat | None = None  # the output is read back as tool calls or an answer
+    echo: bool = False  # the answer starts with the prompt (and its logprobs, if asked)
+    scores_only: bool = False  # echo with max_tokens 0: the one token generated is not given
 
 
 def _sampling(
@@ -301,9 +303,11 @@ def _job(
         prompt = body.prompt
     spec = body.speculative
     limit = decoder.n_ctx
+    echo = isinstance(body, CompletionRequest) and body.echo
+    scores_only = isinstance(body, CompletionRequest) and body.scores_only
     generation = GenerationSettings.checked(
         # Without max_tokens, generate until the end token or a full context, as OpenAI does.
-        max_tokens=min(body.token_limit or limit, limit),
+        max_tokens=1 if scores_only else min(body.token_limit or limit, limit),
         **_sampling(body, settings.sampling),
         seed=body.sampling_seed,
         stop=body.stops,
@@ -317,9 +321,10 @@ def _job(
         logit_bias=body.token_biases,
         ngram_index=body.ngram_index,
         ignore_eos=body.ignore_eos,
+        prompt_logprobs=body.n_logprobs if echo else None,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Job(prompt, generation, body.stream, include_usage, tools)
+    return Job(prompt, generation, body.stream, include_usage, tools, echo, scores_only)
 
 
 def _piece(raw: bytes) -> str | list[int]:
@@ -857,8 +862,14 @@ class Server:
                 choice["finish_reason"] = "tool_calls"
         elif run.chat:
             choice["message"] = {"role": "assistant", "content": result.text, "refusal": None}
+        elif run.job.echo:
+            choice["text"], choice["logprobs"] = self._echoed(run, result)
         else:
             choice["text"] = result.text
+        usage = _usage(result)
+        if run.job.scores_only:  # what it generated is not given
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+            choice["finish_reason"] = "length"
         return {
             "id": run.rid,
             "object": "chat.completion" if run.chat else "text_completion",
@@ -866,9 +877,38 @@ class Server:
             "model": self.settings.model_alias,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice],
-            "usage": _usage(result),
+            "usage": usage,
             "timings": timings(result, run.waited(result)),
         }
+
+    def _echoed(self, run: Run, result: GenerationResult) -> tuple[str, dict[str, Any] | None]:
+        """The prompt, then the completion (none for max_tokens 0), and with logprobs all
+        their tokens': the prompt's from its decode, the first null where nothing came before
+        it. A BOS the server's tokenizing added is not the client's text: not echoed (the
+        client's first token is then scored, after it)."""
+        job, decoder = run.job, self.decoder
+        assert decoder is not None
+        prompt = job.prompt if isinstance(job.prompt, str) else decoder.detokenize(job.prompt)
+        text = prompt + ("" if job.scores_only else result.text)
+        if result.prompt_logprobs is None:
+            return text, None
+        generated = [] if job.scores_only else (result.logprobs or [])
+        tokens = result.prompt_tokens
+        info = decoder.info()["target"]
+        if isinstance(job.prompt, str) and info["add_bos"] and tokens[0] == info["bos"]:
+            return text, self._logprobs(run, result.prompt_logprobs + generated)
+        # The first token: no logprob, nothing before it predicted it.
+        (first,) = decoder.token_bytes(tokens[:1])
+        at = TextOffsets()
+        head = {
+            "tokens": [first.decode("utf-8", "replace")],
+            "token_logprobs": [None],
+            "top_logprobs": [None],
+            "text_offset": [at.next(first)],
+        }
+        rest = self._logprobs(run, result.prompt_logprobs + generated, at)
+        assert rest is not None
+        return text, {name: head[name] + rest[name] for name in head}
 
     def _chunk(self, run: Run, text: str | None, finish: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}

@@ -1153,7 +1153,7 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
         )
 
     refused: list[dict[str, Any]] = [
-        {"echo": True}, {"suffix": "!"}, {"best_of": 2}, {"functions": [{"name": "f"}]},
+        {"suffix": "!"}, {"best_of": 2}, {"functions": [{"name": "f"}]},
         {"typical_p": 0.9}, {"mirostat": 2}, {"dynatemp_range": 0.5}, {"top_n_sigma": 1.0},
         {"xtc_probability": 0.5}, {"dry_multiplier": 0.8}, {"n_probs": 3}, {"min_keep": 2},
         {"grammar_lazy": True}, {"lora": [{"id": 0, "scale": 1}]},
@@ -1286,6 +1286,67 @@ def test_ignore_eos_runs_to_max_tokens(
         timeout=60,
     )
     assert refused.status_code == 400 and "ignore_eos" in refused.json()["error"]["message"]
+
+
+def test_echo_scores_the_prompt_as_a_scorer_reads_it(
+    chat_server: Server, client: openai.OpenAI, smollm2_q40: Path
+) -> None:
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(smollm2_q40), vocab_only=True, verbose=False)
+    context = vocab.tokenize(b"The capital of France is", add_bos=False, special=False)
+    answer = vocab.tokenize(b" Paris", add_bos=False, special=False)
+    # lm-eval's loglikelihood request: token ids, one generated token, the prompt's logprobs.
+    r = client.completions.create(
+        model="smol", prompt=context + answer, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.text_offset is not None
+    n = len(context) + len(answer)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert r.choices[0].text.startswith("The capital of France is Paris")
+    assert "".join(lp.tokens[:n]) == "The capital of France is Paris"
+    assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    paris = lp.token_logprobs[len(context)]
+    nxt = (
+        client.completions.create(
+            model="smol", prompt=context, max_tokens=1, temperature=0, logprobs=20
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert nxt is not None and nxt.top_logprobs
+    # The prompt's decode and a one-token read differ by float noise.
+    assert paris == pytest.approx(nxt.top_logprobs[0][" Paris"], abs=0.35)
+    # The same through max_tokens 0: the prompt scored, nothing generated.
+    only = httpx.post(
+        chat_server.url + "/v1/completions",
+        json={"prompt": context + answer, "max_tokens": 0, "logprobs": 1, "echo": True},
+        timeout=60,
+    ).json()
+    assert only["choices"][0]["text"] == "The capital of France is Paris"
+    assert only["choices"][0]["finish_reason"] == "length"
+    assert only["usage"]["completion_tokens"] == 0
+    assert only["choices"][0]["logprobs"]["token_logprobs"] == lp.token_logprobs[:n]
+    # A text prompt: its BOS, if the server's tokenizing adds one, is not echoed.
+    text = client.completions.create(
+        model="smol", prompt="Hello world", max_tokens=2, temperature=0, echo=True
+    )
+    assert text.choices[0].text.startswith("Hello world") and text.choices[0].logprobs is None
+    for body, why in (
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens 0"),
+        ({"prompt": "x", "echo": True, "stream": True}, "without stream"),
+    ):
+        refused = httpx.post(chat_server.url + "/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and why in refused.json()["error"]["message"]
+    chat = httpx.post(
+        chat_server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "echo": True},
+        timeout=60,
+    )
+    assert chat.status_code == 400 and "/v1/completions" in chat.json()["error"]["message"]
 
 
 def test_penalties_and_logit_bias(
