@@ -47,6 +47,7 @@ def run(case: dict[str, Any], decoders: dict[str, sd.SpeculativeDecoder]) -> dic
         "n_generated": s.n_generated,
         "n_prompt": s.n_prompt,
         "max_k": len(s.proposed_at),
+        "n_prompt_scored": None if r.prompt_logprobs is None else len(r.prompt_logprobs),
     }
 
 

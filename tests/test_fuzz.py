@@ -102,6 +102,8 @@ def cases(draw: st.DrawFn, pair: models.ModelPair) -> dict[str, Any]:
         "seed": draw(st.integers(0, 2**64 - 1)),
         "n_draft": draw(st.one_of(st.none(), st.integers(0, 64), st.just("auto"))),
         "draft_p_min": draw(st.sampled_from([0.0, 0.5, 1.0])),
+        "ignore_eos": draw(st.booleans()),
+        "prompt_logprobs": draw(st.sampled_from([None, None, 0, 3])),
     }
     if draw(st.booleans()):
         generate["stop"] = draw(st.lists(st.text("abcthe ", min_size=1, max_size=3), max_size=2))
@@ -138,3 +140,7 @@ def test_any_settings_return_or_raise_a_documented_error(
     if out["finish_reason"] == "context":
         assert out["n_prompt"] + out["n_tokens"] >= case["decoder"]["n_ctx"]
     assert out["max_k"] <= min(case["decoder"]["n_batch"] - 1, 64)
+    if gen["prompt_logprobs"] is not None:  # every prompt token but the first, in any chunks
+        assert out["n_prompt_scored"] == len(gen["prompt"]) - 1
+    if gen["ignore_eos"] and not gen.get("stop"):
+        assert out["finish_reason"] != "stop"
