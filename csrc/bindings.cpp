@@ -231,6 +231,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     out["text"] = to_str(result.text);
     out["finish_reason"] = finish_reason_name(result.finish_reason);
     out["margins"] = result.margins;
+    out["stop_margin"] = result.stop_margin;
     out["logprobs"] = logprob_tuples(result.logprobs);
     out["prompt_logprobs"] = logprob_tuples(result.prompt_logprobs);
     out["stats"] = stats_dict(result.stats);

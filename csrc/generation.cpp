@@ -571,6 +571,7 @@ int Generation::commit(size_t j) {
     const llama_token token = step_tokens_[j];
     if (finished()) return 0;
     if (parts_.target.is_eog(token)) {
+        if (greedy()) result_.stop_margin = step_margins_[j];
         finish(FinishReason::kStop);
         return 0;
     }

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -124,6 +125,9 @@ struct GenerationResult {
     FinishReason finish_reason = FinishReason::kNone;
     // Greedy only: for each token, the target's top-1 minus top-2 logit where it was chosen.
     std::vector<float> margins;
+    // Greedy, ended by an end-of-generation token: the same margin where it was chosen (NaN
+    // otherwise), so that an output that stops where another goes on can be judged a near-tie.
+    float stop_margin = std::numeric_limits<float>::quiet_NaN();
     std::vector<TokenLogprob> logprobs;  // per token, when the request asked for them
     // Per prompt token after the first, when the request asked for them (prompt_logprobs).
     std::vector<TokenLogprob> prompt_logprobs;

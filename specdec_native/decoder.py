@@ -211,6 +211,8 @@ class GenerationResult:
     prompt_tokens: list[int] = field(default_factory=list)
     # Greedy only: per token, the target's top-1 minus top-2 logit where it chose that token.
     margins: list[float] = field(default_factory=list)
+    # Greedy, ended by an end-of-generation token: the margin where it chose that token.
+    stop_margin: float | None = None
     # When asked for (logprobs=n): per token, its log-probability and the n likeliest tokens'.
     logprobs: list[TokenLogprob] | None = None
     # When asked for (prompt_logprobs=n): the same for each prompt token but the first.
@@ -1485,6 +1487,7 @@ class SpeculativeDecoder:
             stats=Stats(**out["stats"]),
             prompt_tokens=tokens,
             margins=list(out["margins"]),
+            stop_margin=None if math.isnan(out["stop_margin"]) else out["stop_margin"],
             logprobs=None if settings.logprobs is None else _token_logprobs(out["logprobs"]),
             prompt_logprobs=None
             if settings.prompt_logprobs is None

@@ -31,10 +31,15 @@ def assert_same_or_near_tie(
     i = first_divergence(spec.tokens, base.tokens)
     if i < 0:
         return
-    assert i < min(len(spec.tokens), len(base.tokens)), "one output is a strict prefix"
-    m_spec, m_base = spec.margins[i], base.margins[i]
+    # One output stops where the other goes on: it chose the end token there (its margin is
+    # stop_margin), the other a token of text.
+    m_spec, m_base = (r.margins[i] if i < len(r.tokens) else r.stop_margin for r in (spec, base))
+    assert m_spec is not None and m_base is not None, (
+        f"one output is a strict prefix of the other at token {i}, not ended by the end token"
+    )
+    chose = [r.tokens[i] if i < len(r.tokens) else "the end" for r in (base, spec)]
     assert m_spec < gap and m_base < gap, (
-        f"greedy outputs diverge at token {i} ({base.tokens[i]} vs {spec.tokens[i]}) where the "
+        f"greedy outputs diverge at token {i} ({chose[0]} vs {chose[1]}) where the "
         f"target's top-2 margins are {m_spec:.4f} (speculative) and {m_base:.4f} (target-only), "
         f"not both below the near-tie gap {gap}"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import prompts
@@ -67,3 +68,24 @@ def test_self_pair_accepts_everything(smollm2: Path) -> None:
         r = dec.generate(PROMPTS[0], 30)
     assert r.stats.n_drafted > 0
     assert r.stats.acceptance_rate > 0.95
+
+
+def test_an_output_that_stops_where_the_other_goes_on_is_judged_by_its_stop_margin(
+    deep_decoder: sd.SpeculativeDecoder,
+) -> None:
+    eos = deep_decoder.info()["target"]["eos"]
+    stopped = deep_decoder.generate("Once upon a time", 8, logit_bias={eos: 100})
+    assert stopped.tokens == [] and stopped.finish_reason == "stop"
+    assert stopped.stop_margin is not None and stopped.stop_margin > 10  # chosen by far
+    went_on = deep_decoder.generate("Once upon a time", 8)
+    assert went_on.stop_margin is None  # ended by length
+    sampled = deep_decoder.generate("Once upon a time", 8, logit_bias={eos: 100}, temperature=1)
+    assert sampled.stop_margin is None  # margins are greedy's
+    with pytest.raises(AssertionError, match="diverge at token 0"):
+        assert_same_or_near_tie(stopped, went_on, NEAR_TIE_GAP)
+    # Where the end token and the other's token were nearly tied, it is a near-tie.
+    close = dataclasses.replace(stopped, stop_margin=0.01)
+    assert_same_or_near_tie(close, dataclasses.replace(went_on, margins=[0.02] * 8), NEAR_TIE_GAP)
+    unexplained = dataclasses.replace(stopped, stop_margin=None)  # cut short by something else
+    with pytest.raises(AssertionError, match="strict prefix"):
+        assert_same_or_near_tie(unexplained, went_on, NEAR_TIE_GAP)
