@@ -234,6 +234,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     out["stop_margin"] = result.stop_margin;
     out["logprobs"] = logprob_tuples(result.logprobs);
     out["prompt_logprobs"] = logprob_tuples(result.prompt_logprobs);
+    out["stop_logprob"] = logprob_tuples(result.stop_logprob);
     out["stats"] = stats_dict(result.stats);
     return out;
 }

@@ -162,7 +162,7 @@ struct PromptShare {
 PromptShare prompt_share(const Generation& g, int& budget, int room) {
     const int left = g.prompt_left();
     const bool chunked = left > Engine::kPrefillChunk;
-    const int rows = std::min({left, chunked ? budget : left, room, g.prefill_cap()});
+    const int rows = std::min({left, chunked ? budget : left, room});
     if (chunked) budget -= rows;
     return {rows, rows == left && rows < room && g.greedy()};
 }
@@ -172,8 +172,12 @@ void Engine::add_prompt_chunks(int budget, int room) {
     prefilled_.clear();
     starting_.clear();
     failed_.clear();
+    int scored_room = Generation::kScoredPromptRows;
     for (Generation* g : prefilling_) {
-        const PromptShare share = prompt_share(*g, budget, room);
+        const bool scored = g->scores_prompt();
+        const PromptShare share =
+            prompt_share(*g, budget, scored ? std::min(room, scored_room) : room);
+        if (scored) scored_room -= share.rows;
         if (share.rows <= 0) continue;
         try {
             room -= g->add_prefill(target_batch_, share.rows);

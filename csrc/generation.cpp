@@ -72,14 +72,8 @@ void Generation::begin() {
     stats().n_prompt_cached = static_cast<int>(prefilled_);
 }
 
-int Generation::prefill_cap() const {
-    // 64 rows of logits: 12 MB on a 49k vocabulary, 67 MB on a 262k one.
-    return scores_prompt() ? 64 : std::numeric_limits<int>::max();
-}
-
 int Generation::add_prefill(Batch& batch, int budget) {
-    const size_t end = std::min(req_.prompt.size() - 1,
-                                prefilled_ + static_cast<size_t>(std::min(budget, prefill_cap())));
+    const size_t end = std::min(req_.prompt.size() - 1, prefilled_ + static_cast<size_t>(budget));
     chunk_from_ = prefilled_;
     chunk_first_row_ = batch.size();
     for (size_t i = prefilled_; i < end; ++i)
@@ -572,6 +566,7 @@ int Generation::commit(size_t j) {
     if (finished()) return 0;
     if (parts_.target.is_eog(token)) {
         if (greedy()) result_.stop_margin = step_margins_[j];
+        if (req_.logprobs >= 0) result_.stop_logprob.assign(1, step_logprobs_[j]);
         finish(FinishReason::kStop);
         return 0;
     }

@@ -129,6 +129,9 @@ struct GenerationResult {
     // otherwise), so that an output that stops where another goes on can be judged a near-tie.
     float stop_margin = std::numeric_limits<float>::quiet_NaN();
     std::vector<TokenLogprob> logprobs;  // per token, when the request asked for them
+    // Ended by an end-of-generation token, with logprobs asked for: that token's (one entry; a
+    // scorer reading the prompt's logprobs and the next token's wants it).
+    std::vector<TokenLogprob> stop_logprob;
     // Per prompt token after the first, when the request asked for them (prompt_logprobs).
     std::vector<TokenLogprob> prompt_logprobs;
     Stats stats;
@@ -208,9 +211,11 @@ class Generation {
     bool prefilling() const { return prefilled_ + 1 < req_.prompt.size(); }
     // The prompt's tokens not yet in the target's cache (the last is decoded with the first step).
     int prompt_left() const { return static_cast<int>(req_.prompt.size() - 1 - prefilled_); }
-    // The most prompt rows one decode may take for it: each row of a scored prompt
-    // (prompt_logprobs) has logits, a vocabulary's floats.
-    int prefill_cap() const;
+    // Rows of scored prompts (prompt_logprobs) one decode holds at most, all requests together:
+    // each has logits, a vocabulary's floats (12 MB on a 49k vocabulary, 67 MB on a 262k one),
+    // and llama.cpp keeps the largest output buffer it was asked for.
+    static constexpr int kScoredPromptRows = 64;
+    bool scores_prompt() const { return req_.prompt_logprobs >= 0; }
     // Adds up to `budget` of the prompt's missing tokens to the target's batch (logits only
     // where the prompt is scored) and decodes as many into the draft's cache. Returns how many
     // it added.
@@ -323,7 +328,6 @@ class Generation {
     bool drafts_argmax() const;
     llama_token target_token(size_t row);
     void record_logprob(size_t row, llama_token verdict);
-    bool scores_prompt() const { return req_.prompt_logprobs >= 0; }
     void score_prompt_rows();
     int commit(size_t j);
     void emit(const std::string& text, const TokenLogprob* logprob = nullptr);

@@ -215,8 +215,11 @@ class GenerationResult:
     stop_margin: float | None = None
     # When asked for (logprobs=n): per token, its log-probability and the n likeliest tokens'.
     logprobs: list[TokenLogprob] | None = None
-    # When asked for (prompt_logprobs=n): the same for each prompt token but the first.
+    # When asked for (prompt_logprobs=n): the same for each prompt token but the first. A
+    # generation cut short while it read its prompt (a timeout, a cancel) has fewer.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # With logprobs, ended by an end-of-generation token: that token's (it is not in tokens).
+    stop_logprob: TokenLogprob | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -1492,6 +1495,7 @@ class SpeculativeDecoder:
             prompt_logprobs=None
             if settings.prompt_logprobs is None
             else _token_logprobs(out["prompt_logprobs"]),
+            stop_logprob=next(iter(_token_logprobs(out["stop_logprob"])), None),
         )
         if out["stats"]["recalibrated"]:
             self._calibration = "measured"

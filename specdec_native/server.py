@@ -802,6 +802,8 @@ class Server:
         result = run.future.result()
         if job.stream:  # ended while it waited (its deadline): no text, but a stream all the same
             return EventSourceResponse(self._events(run), sep="\n")
+        if job.echo and not _scored_whole(job, result):
+            return _not_scored(run.cut or result.finish_reason).response()
         return JSONResponse(self._completion(run, result))
 
     def refuse(self, rid: str, e: RequestError) -> Response:
@@ -838,7 +840,7 @@ class Server:
         fields.update(
             prompt_tokens=s.n_prompt,
             cached_tokens=s.n_prompt_cached,
-            completion_tokens=s.n_generated,
+            completion_tokens=0 if run.job.scores_only else s.n_generated,
             finish_reason=str(ended),
             acceptance_rate=round(s.acceptance_rate, 3),
             fallback_reason=s.draft_error or s.fallback_reason,
@@ -892,23 +894,38 @@ class Server:
         text = prompt + ("" if job.scores_only else result.text)
         if result.prompt_logprobs is None:
             return text, None
+        # The token after the prompt, the end token too: a scorer drops the last entry.
         generated = [] if job.scores_only else (result.logprobs or [])
+        if not job.scores_only and result.stop_logprob is not None:
+            generated = [*generated, result.stop_logprob]
         tokens = result.prompt_tokens
         info = decoder.info()["target"]
         if isinstance(job.prompt, str) and info["add_bos"] and tokens[0] == info["bos"]:
-            return text, self._logprobs(run, result.prompt_logprobs + generated)
-        # The first token: no logprob, nothing before it predicted it.
-        (first,) = decoder.token_bytes(tokens[:1])
-        at = TextOffsets()
-        head = {
-            "tokens": [first.decode("utf-8", "replace")],
-            "token_logprobs": [None],
-            "top_logprobs": [None],
-            "text_offset": [at.next(first)],
-        }
-        rest = self._logprobs(run, result.prompt_logprobs + generated, at)
-        assert rest is not None
-        return text, {name: head[name] + rest[name] for name in head}
+            echoed = tokens[1:]
+            out = self._logprobs(run, result.prompt_logprobs + generated)
+        else:
+            # The first token: no logprob, nothing before it predicted it.
+            echoed = tokens
+            (first,) = decoder.token_bytes(tokens[:1])
+            at = TextOffsets()
+            head = {
+                "tokens": [first.decode("utf-8", "replace")],
+                "token_logprobs": [None],
+                "top_logprobs": [None],
+                "text_offset": [at.next(first)],
+            }
+            rest = self._logprobs(run, result.prompt_logprobs + generated, at)
+            assert rest is not None
+            out = {name: head[name] + rest[name] for name in head}
+        assert out is not None
+        if isinstance(job.prompt, str):
+            # A tokenizer that puts a space before the text (SentencePiece's Llama) spells the
+            # prompt with one more character than the client sent: offsets are the client's.
+            spelled = b"".join(decoder.token_bytes(echoed)).decode("utf-8", "replace")
+            extra = len(spelled) - len(prompt)
+            if extra > 0 and spelled.endswith(prompt):
+                out["text_offset"] = [max(0, at - extra) for at in out["text_offset"]]
+        return text, out
 
     def _chunk(self, run: Run, text: str | None, finish: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
@@ -1018,6 +1035,26 @@ def _at_capacity() -> RequestError:
         kind="server_error",
         code="queue_full",
         headers={"Retry-After": "1"},
+    )
+
+
+def _scored_whole(job: Job, result: GenerationResult) -> bool:
+    """Whether an echo's logprobs cover the whole prompt, and (but for max_tokens 0) the token
+    after it: a scorer reads the last entry as the generated one."""
+    if result.prompt_logprobs is None:
+        return True  # no logprobs asked for: the text alone
+    whole = len(result.prompt_logprobs) == len(result.prompt_tokens) - 1
+    after = job.scores_only or bool(result.tokens) or result.stop_logprob is not None
+    return whole and after
+
+
+def _not_scored(why: str) -> RequestError:
+    # Partial logprobs would read as a complete (and too likely) score.
+    return RequestError(
+        503,
+        f"the request ended ({why}) before its prompt was scored whole",
+        kind="server_error",
+        code="not_scored",
     )
 
 

@@ -110,5 +110,11 @@ def test_prompt_logprobs_score_every_prompt_token_but_the_first(
     first, last = scored[:per_sentence], scored[-per_sentence:]
     assert sum(e.logprob for e in last) > sum(e.logprob for e in first) + 10
     assert deep_decoder.generate(prompt, 2).prompt_logprobs is None
+    cut = deep_decoder.generate(prompt, 2, prompt_logprobs=0, timeout=1e-6)
+    assert cut.finish_reason == "timeout" and len(cut.prompt_logprobs or []) < len(prompt) - 1
+    eos = deep_decoder.info()["target"]["eos"]
+    ended = deep_decoder.generate(prompt, 4, logprobs=1, logit_bias={eos: 100})
+    assert ended.finish_reason == "stop" and ended.tokens == []  # the end token is not text
+    assert ended.stop_logprob is not None and ended.stop_logprob.token == eos
     with pytest.raises(ValueError, match="prompt_logprobs"):
         deep_decoder.generate(prompt, 2, prompt_logprobs=21)

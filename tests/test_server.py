@@ -1330,6 +1330,15 @@ def test_echo_scores_the_prompt_as_a_scorer_reads_it(
     assert only["choices"][0]["finish_reason"] == "length"
     assert only["usage"]["completion_tokens"] == 0
     assert only["choices"][0]["logprobs"]["token_logprobs"] == lp.token_logprobs[:n]
+    # Where the token after the prompt is the end token, its entry is the last all the same.
+    ended = client.completions.create(
+        model="smol", prompt=context + answer, max_tokens=1, temperature=0, logprobs=1, echo=True,
+        extra_body={"logit_bias": {str(vocab.token_eos()): 100}},
+    )  # fmt: skip
+    assert ended.choices[0].finish_reason == "stop"
+    end_lp = ended.choices[0].logprobs
+    assert end_lp is not None and end_lp.token_logprobs and len(end_lp.token_logprobs) == n + 1
+    assert end_lp.token_logprobs[:n] == lp.token_logprobs[:n]
     # A text prompt: its BOS, if the server's tokenizing adds one, is not echoed.
     text = client.completions.create(
         model="smol", prompt="Hello world", max_tokens=2, temperature=0, echo=True

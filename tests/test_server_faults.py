@@ -427,3 +427,35 @@ def test_a_chunked_body_past_the_limit_gets_its_413_and_the_connection_closes(
             assert sock.recv(4096) == b""  # closed by the server
         except ConnectionResetError:
             pass  # closed with what it did not read still in its buffer
+
+
+def test_an_echo_cut_before_its_prompt_was_scored_is_an_error_not_a_short_score(
+    smollm2_q40: Path,
+) -> None:
+    # Partial logprobs would read as a whole score, and a far too likely one.
+    s = start(smollm2_q40, "-t", "1", "-c", "2048", "--request-timeout", "0.01")
+    try:
+        body = {"prompt": "word " * 1500, "max_tokens": 1, "logprobs": 1, "echo": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_scored", r.text
+        # Echo without logprobs is its text alone: nothing to cut short.
+        r = httpx.post(s.url + "/v1/completions", json={**body, "logprobs": None}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("word word")
+    finally:
+        assert s.stop() == 0
+
+
+def test_echo_offsets_are_the_clients_text_where_the_tokenizer_adds_a_space(
+    tiny_pair: models.ModelPair,
+) -> None:
+    s = start(tiny_pair.target, "-t", "1", "-c", "256")  # a BOS, and a space before the text
+    try:
+        body = {"prompt": "the cat", "max_tokens": 0, "logprobs": 0, "echo": True}
+        choice = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    finally:
+        s.stop()
+    text, lp = choice["text"], choice["logprobs"]
+    assert text == "the cat" and lp["token_logprobs"][0] is not None  # the BOS is not echoed
+    assert lp["text_offset"][0] == 0
+    for token, at in list(zip(lp["tokens"], lp["text_offset"]))[1:]:
+        assert text[at:].startswith(token), (token, at, text)
