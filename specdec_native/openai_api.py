@@ -30,6 +30,7 @@ MAX_STOP_CHARS = 512
 MAX_SPECULATIVE = 64
 MAX_INT = 1 << 30
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # a request's choices (n, times its prompts): each takes a slot
 MAX_LOGIT_BIAS = 1024
 MAX_GRAMMAR_CHARS = 1 << 20
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -183,7 +184,9 @@ class _Generation(_Body):
     )
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(None, ge=1, le=1, description="one choice per request")
+    n: Optional[int] = Field(
+        None, ge=1, le=MAX_CHOICES, description="choices, each its own generation (not streamed)"
+    )
     speculative: Optional[Speculative] = None
     response_format: Optional[ResponseFormat] = None
     json_schema: Union[dict[str, Any], bool, None] = Field(
@@ -341,7 +344,20 @@ class _Generation(_Body):
     def _stream_options_when_streaming(self) -> _Generation:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
+        if self.stream and self.n_choices > 1:
+            raise ValueError("several choices are answered whole: send them without stream")
         return self
+
+    @property
+    def n_choices(self) -> int:
+        """The choices this request asks for: n for each of its prompts."""
+        return self.n or 1
+
+    def choice_seed(self, i: int) -> int | None:
+        """Choice i's seed: the request's (or random), one more for each choice after the
+        first, so that sampled choices differ and a seed repeats them all."""
+        seed = self.sampling_seed
+        return None if seed is None else (seed + i) % (1 << 64)
 
     @property
     def token_limit(self) -> int | None:
@@ -415,8 +431,14 @@ class ChatCompletionRequest(_Generation):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+Prompt = Union[str, list[int]]
+
+
 class CompletionRequest(_Generation):
-    prompt: Union[str, list[int]] = Field(description="text, or token ids; a batch of one")
+    prompt: Union[str, list[int], list[Prompt]] = Field(
+        description=f"text, or token ids; or a batch of them (at most {MAX_CHOICES} choices in "
+        "all, not streamed), answered as a choice each, in order"
+    )
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tokens: Optional[int] = Field(
         None, ge=0, le=MAX_INT, description="0 (with echo): score the prompt, generate nothing"
@@ -430,6 +452,16 @@ class CompletionRequest(_Generation):
     @property
     def n_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        if isinstance(self.prompt, str) or all(type(t) is int for t in self.prompt):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    @property
+    def n_choices(self) -> int:
+        return (self.n or 1) * len(self.prompts)
 
     @property
     def scores_only(self) -> bool:
@@ -446,18 +478,27 @@ class CompletionRequest(_Generation):
             raise ValueError("max_tokens 0 generates nothing: it scores the prompt with echo")
         if self.echo and self.stream:
             raise ValueError("echo is answered whole: send it without stream")
+        if self.n_choices > MAX_CHOICES:
+            raise ValueError(f"n times the prompts is at most {MAX_CHOICES}, got {self.n_choices}")
         return self
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, p: Any) -> Any:
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str) and p:
+    def _prompts(cls, p: Any) -> Any:
+        def one(p: Any) -> bool:
+            return (isinstance(p, str) and bool(p)) or (
+                isinstance(p, list) and bool(p) and all(type(t) is int for t in p)
+            )
+
+        if one(p):
             return p
-        if isinstance(p, list) and p and all(type(t) is int for t in p):
-            return p
-        raise ValueError("must be a non-empty string or a list of token ids (one prompt)")
+        if isinstance(p, list) and p and all(one(q) for q in p):
+            if len(p) > MAX_CHOICES:
+                raise ValueError(f"a batch holds at most {MAX_CHOICES} prompts, got {len(p)}")
+            return p[0] if len(p) == 1 else p  # a batch of one is one prompt
+        raise ValueError(
+            "must be a non-empty string or a list of token ids, or a batch (a list) of them"
+        )
 
 
 def _parse_int(text: str) -> int:
@@ -541,9 +582,6 @@ def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionReque
             raise BodyError(f"'{name}' is not supported by this server", param=name)
     if chat and body.get("echo"):
         raise BodyError("'echo' is for /v1/completions", param="echo")
-    n = body.get("n")
-    if type(n) is int and n > 1:
-        raise BodyError("'n' > 1 is not supported: send one request per choice", param="n")
     model: type[ChatCompletionRequest | CompletionRequest] = (
         ChatCompletionRequest if chat else CompletionRequest
     )

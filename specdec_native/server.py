@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -285,22 +285,25 @@ def _sampling(
     }
 
 
-def _job(
+def _jobs(
     body: ChatCompletionRequest | CompletionRequest,
     decoder: SpeculativeDecoder,
     settings: ServerSettings,
-) -> Job:
-    """Maps a validated body to a generation."""
+) -> list[Job]:
+    """Maps a validated body to its generations: one per choice, n for each prompt, in order."""
     syntax = decoder.tool_syntax if isinstance(body, ChatCompletionRequest) else GENERIC
     tools = body.tool_format(syntax, decoder.special_tokens(syntax.tags))
     constraint = body.constraint(tools)
+    prompts: list[str | list[int]]
     if isinstance(body, ChatCompletionRequest):
         messages, listed = syntax.chat([m.for_tools() for m in body.messages], tools)
-        prompt: str | list[int] = decoder.apply_chat_template(
-            messages, tools=listed, chat_template_kwargs=body.chat_template_kwargs
-        )
+        prompts = [
+            decoder.apply_chat_template(
+                messages, tools=listed, chat_template_kwargs=body.chat_template_kwargs
+            )
+        ]
     else:
-        prompt = body.prompt
+        prompts = body.prompts
     spec = body.speculative
     limit = decoder.n_ctx
     echo = isinstance(body, CompletionRequest) and body.echo
@@ -309,7 +312,7 @@ def _job(
         # Without max_tokens, generate until the end token or a full context, as OpenAI does.
         max_tokens=1 if scores_only else min(body.token_limit or limit, limit),
         **_sampling(body, settings.sampling),
-        seed=body.sampling_seed,
+        seed=body.choice_seed(0),
         stop=body.stops,
         n_draft=settings.n_draft if spec is None or spec.n_max is None else spec.n_max,
         draft_p_min=0.0 if spec is None else spec.p_min,
@@ -324,7 +327,20 @@ def _job(
         prompt_logprobs=body.n_logprobs if echo else None,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Job(prompt, generation, body.stream, include_usage, tools, echo, scores_only)
+    n = body.n or 1
+    return [
+        Job(
+            prompt,
+            replace(generation, seed=body.choice_seed(i)),
+            body.stream,
+            include_usage,
+            tools,
+            echo,
+            scores_only,
+        )
+        for prompt in prompts
+        for i in range(n)
+    ]
 
 
 def _piece(raw: bytes) -> str | list[int]:
@@ -365,8 +381,10 @@ class Run:
         chat: bool,
         arrived: float,
         on_start: Callable[[], None],
+        index: int | None = None,
     ) -> None:
         self.job, self.rid, self.chat, self.arrived = job, rid, chat, arrived
+        self.index = index  # its choice's, in a request of several
         self.flag = _core.CancelFlag()
         self.started = asyncio.Event()  # the engine gave it a slot: every check passed
         # Text as committed, with its tokens' logprobs when asked for; None: no more.
@@ -443,6 +461,24 @@ class Run:
             return True
         self.cancel("disconnect")
         return False
+
+
+async def _all_ended(runs: list[Run], request: Request) -> bool:
+    """Waits until every run has ended: True. If the client goes away first, they are
+    cancelled: False."""
+    ended: asyncio.Future[Any] = asyncio.gather(
+        *(run.future for run in runs), return_exceptions=True
+    )
+    gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({ended, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if ended.done():
+        return True
+    for run in runs:
+        run.cancel("disconnect")
+    return False
 
 
 async def _disconnected(request: Request) -> None:
@@ -655,6 +691,20 @@ class Server:
                 code="invalid_api_key",
             )
 
+    def admit_more(self, k: int) -> None:
+        """Admits k more runs for a request of several choices, all or none."""
+        if k <= 0:
+            return
+        most = self.settings.n_parallel + self.settings.max_queue
+        if k + 1 > most:
+            raise RequestError(
+                400, f"this server holds at most {most} generations at once: ask for fewer choices"
+            )
+        if self.admitted + k > most:
+            raise _at_capacity()
+        self.admitted += k
+        self._update_gauges()
+
     def admit(self) -> None:
         self.open_decoder()
         if self.admitted >= self.settings.n_parallel + self.settings.max_queue:
@@ -772,13 +822,17 @@ class Server:
             body = parse_body(read_json(raw), chat)
             # Off the event loop: a chat template's rendering may take its time budget.
             loop = asyncio.get_running_loop()
-            job = await loop.run_in_executor(None, _job, body, self.decoder, self.settings)
+            jobs = await loop.run_in_executor(None, _jobs, body, self.decoder, self.settings)
+            self.admit_more(len(jobs) - 1)
         except Exception as e:  # a bad body, or a chat template that cannot take the messages
             self.release()
             return self.refuse(rid, _refusal(e))
         except BaseException:  # this handler cancelled while the template rendered
             self.release()
             raise
+        if len(jobs) > 1:
+            return await self._choices(request, jobs, rid, chat, arrived, body.n or 1)
+        (job,) = jobs
         run = Run(self.decoder, job, rid, chat, arrived, on_start=self._update_gauges)
         self.runs.add(run)
         run.future.add_done_callback(lambda _: self._ended(run))
@@ -806,6 +860,47 @@ class Server:
             return _not_scored(run.cut or result.finish_reason).response()
         return JSONResponse(self._completion(run, result))
 
+    async def _choices(
+        self, request: Request, jobs: list[Job], rid: str, chat: bool, arrived: float, n: int
+    ) -> Response:
+        """A request of several choices (n, or a batch of prompts): a run each, at once, and
+        one answer once all have ended."""
+        assert self.decoder is not None
+        runs = [
+            Run(self.decoder, job, rid, chat, arrived, self._update_gauges, index=i)
+            for i, job in enumerate(jobs)
+        ]
+        for run in runs:
+            self.runs.add(run)
+            run.future.add_done_callback(functools.partial(self._ended_future, run))
+        if not await _all_ended(runs, request):
+            return Response(status_code=499)  # nobody is there to read it
+        for run in runs:  # the first failure answers for all
+            if (error := run.future.exception()) is not None:
+                return _refusal(error).response()
+            if run.cut == "shutdown":
+                return _shutting_down().response()
+            if run.job.echo and not _scored_whole(run.job, run.future.result()):
+                return _not_scored(run.cut or run.future.result().finish_reason).response()
+        answers = [self._completion(run, run.future.result()) for run in runs]
+        out = answers[0]
+        out["choices"] = [a["choices"][0] | {"index": i} for i, a in enumerate(answers)]
+        usages = [a["usage"] for a in answers]
+        prompt_tokens = sum(u["prompt_tokens"] for u in usages[::n])  # a prompt counts once
+        completion_tokens = sum(u["completion_tokens"] for u in usages)
+        out["usage"] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+            },
+        }
+        return JSONResponse(out)
+
+    def _ended_future(self, run: Run, _: object) -> None:
+        self._ended(run)
+
     def refuse(self, rid: str, e: RequestError) -> Response:
         """A request refused (or given up by its client) before it ran: counted by its status
         and logged."""
@@ -819,6 +914,8 @@ class Server:
         self.release()
         error = run.future.exception()
         fields: dict[str, Any] = {"id": run.rid}
+        if run.index is not None:
+            fields["choice"] = run.index
         if error is not None:
             refusal = _refusal(error)
             self.metrics.rejected.labels(status=str(refusal.status)).inc()

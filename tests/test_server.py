@@ -249,7 +249,9 @@ def test_speculation_can_be_turned_off_per_request(chat_server: Server) -> None:
         ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
         ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-        ("completions", {"prompt": "x", "n": 2}, 400, "'n'"),
+        ("completions", {"prompt": "x", "n": 17}, 400, "'n'"),
+        ("completions", {"prompt": "x", "n": 2, "stream": True}, 400, "without stream"),
+        ("completions", {"prompt": ["a", "b"], "n": 9}, 400, "at most 16"),
         ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
         (
@@ -1356,6 +1358,39 @@ def test_echo_scores_the_prompt_as_a_scorer_reads_it(
         timeout=60,
     )
     assert chat.status_code == 400 and "/v1/completions" in chat.json()["error"]["message"]
+
+
+def test_several_choices_are_generated_together_and_answered_in_order(
+    chat_server: Server, client: openai.OpenAI
+) -> None:
+    sampled = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Name a colour."}], n=3,
+        max_tokens=8, temperature=1.0, seed=7, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) > 1  # each its own seed
+    one = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8
+    )
+    assert sampled.usage is not None and one.usage is not None
+    assert sampled.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    assert sampled.usage.completion_tokens == 3 * 8  # every choice's tokens
+    assert (
+        sampled.usage.total_tokens == sampled.usage.prompt_tokens + sampled.usage.completion_tokens
+    )
+    # A batch of prompts: a choice each, in order, as each alone would be answered (prompts
+    # whose continuations are far from any near-tie: batched decodes differ by float noise).
+    prompts = ["1, 2, 3, 4,", "Monday, Tuesday,"]
+    batch = client.completions.create(model="smol", prompt=prompts, max_tokens=5, temperature=0)
+    alone = [
+        client.completions.create(model="smol", prompt=p, max_tokens=5, temperature=0)
+        for p in prompts
+    ]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage is not None and batch.usage.prompt_tokens == sum(
+        a.usage.prompt_tokens for a in alone if a.usage is not None
+    )
 
 
 def test_penalties_and_logit_bias(

@@ -459,3 +459,33 @@ def test_echo_offsets_are_the_clients_text_where_the_tokenizer_adds_a_space(
     assert lp["text_offset"][0] == 0
     for token, at in list(zip(lp["tokens"], lp["text_offset"]))[1:]:
         assert text[at:].startswith(token), (token, at, text)
+
+
+def test_a_request_of_several_choices_takes_a_slot_each_and_a_hang_up_frees_them_all(
+    server: Server,
+) -> None:
+    before = server.metrics()
+    body = {"prompt": COUNTING, "max_tokens": 1500, "temperature": 0, "n": 3}
+    sock = raw_request(server, "/v1/completions", body)
+    wait_for(
+        "two running, one waiting",
+        lambda: (
+            server.metrics()["specdec:num_requests_waiting"] == 1
+            and server.metrics()["specdec:num_requests_running"] == 2
+        ),
+    )
+    sock.close()
+    wait_for(
+        "all three stopped",
+        lambda: (
+            server.metrics()["specdec:num_requests_running"] == 0
+            and server.metrics()["specdec:num_requests_waiting"] == 0
+        ),
+        seconds=10,
+    )
+    key = 'specdec:requests_total{finish_reason="disconnect"}'
+    assert server.metrics()[key] - before.get(key, 0) == 3
+    too_many = httpx.post(
+        server.url + "/v1/completions", json={**body, "n": 16}, timeout=30
+    )  # more than the slots and the queue hold together: never admitted, whatever the load
+    assert too_many.status_code == 400 and "fewer choices" in too_many.json()["error"]["message"]
