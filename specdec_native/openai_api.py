@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Callable, Literal, Optional, TypeVar, Union
+from typing import Annotated, Any, Callable, Literal, Optional, TypeVar, Union
 
 from pydantic import (
     BaseModel,
@@ -431,13 +431,15 @@ class ChatCompletionRequest(_Generation):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-Prompt = Union[str, list[int]]
+Prompt = Union[Annotated[str, Field(min_length=1)], Annotated[list[int], Field(min_length=1)]]
 
 
 class CompletionRequest(_Generation):
-    prompt: Union[str, list[int], list[Prompt]] = Field(
-        description=f"text, or token ids; or a batch of them (at most {MAX_CHOICES} choices in "
-        "all, not streamed), answered as a choice each, in order"
+    prompt: Union[Prompt, Annotated[list[Prompt], Field(min_length=1, max_length=MAX_CHOICES)]] = (
+        Field(
+            description=f"text, or token ids; or a batch of them (at most {MAX_CHOICES} choices in "
+            "all, not streamed), answered as a choice each, in order"
+        )
     )
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tokens: Optional[int] = Field(

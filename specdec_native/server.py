@@ -187,7 +187,8 @@ class Metrics:
         )
         self.requests = Counter(
             "specdec:requests",
-            "Requests that ran, by how they ended: a finish reason, or disconnect, shutdown, grace",
+            "Requests that ran, by how they ended: a finish reason, or disconnect, shutdown, "
+            "grace, abandoned",
             ["finish_reason"],
             registry=r,
         )
@@ -338,8 +339,7 @@ def _jobs(
             echo,
             scores_only,
         )
-        for prompt in prompts
-        for i in range(n)
+        for i, prompt in enumerate(p for p in prompts for _ in range(n))
     ]
 
 
@@ -371,7 +371,8 @@ class Run:
     """One request's generation (SpeculativeDecoder.run) on a worker thread: its cancel flag,
     its text as it comes, when it ended, and why the server cut it short, if it did
     ("disconnect": the client went away; "shutdown": it still waited for a slot at SIGTERM;
-    "grace": still running when the grace period ended)."""
+    "grace": still running when the grace period ended; "abandoned": another choice of its
+    request failed, or was cut at a shutdown, and so answered for it)."""
 
     def __init__(
         self,
@@ -464,21 +465,30 @@ class Run:
 
 
 async def _all_ended(runs: list[Run], request: Request) -> bool:
-    """Waits until every run has ended: True. If the client goes away first, they are
+    """Waits until every run has ended, or one has failed or was cut at a shutdown (the answer
+    is then that, and the others are abandoned): True. If the client goes away first, all are
     cancelled: False."""
-    ended: asyncio.Future[Any] = asyncio.gather(
-        *(run.future for run in runs), return_exceptions=True
-    )
+    decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    left = len(runs)
+
+    def ended(run: Run, future: asyncio.Future[GenerationResult]) -> None:
+        nonlocal left
+        left -= 1
+        failed = future.exception() is not None or run.cut == "shutdown"
+        if (failed or left == 0) and not decided.done():
+            decided.set_result(None)
+
+    for run in runs:
+        run.future.add_done_callback(functools.partial(ended, run))
     gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({ended, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({decided, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if ended.done():
-        return True
+    why = "abandoned" if decided.done() else "disconnect"
     for run in runs:
-        run.cancel("disconnect")
-    return False
+        run.cancel(why)  # those still running or waiting
+    return decided.done()
 
 
 async def _disconnected(request: Request) -> None:
@@ -876,10 +886,13 @@ class Server:
         if not await _all_ended(runs, request):
             return Response(status_code=499)  # nobody is there to read it
         for run in runs:  # the first failure answers for all
+            if not run.future.done():
+                continue  # abandoned: another's failure decided
             if (error := run.future.exception()) is not None:
                 return _refusal(error).response()
             if run.cut == "shutdown":
                 return _shutting_down().response()
+        for run in runs:
             if run.job.echo and not _scored_whole(run.job, run.future.result()):
                 return _not_scored(run.cut or run.future.result().finish_reason).response()
         answers = [self._completion(run, run.future.result()) for run in runs]
@@ -893,7 +906,9 @@ class Server:
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {
-                "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+                "cached_tokens": sum(
+                    u["prompt_tokens_details"]["cached_tokens"] for u in usages[::n]
+                )
             },
         }
         return JSONResponse(out)

@@ -485,6 +485,14 @@ def test_a_request_of_several_choices_takes_a_slot_each_and_a_hang_up_frees_them
     )
     key = 'specdec:requests_total{finish_reason="disconnect"}'
     assert server.metrics()[key] - before.get(key, 0) == 3
+    # One prompt of a batch cannot be served: its error answers at once, the other abandoned.
+    batch = {**body, "n": 1, "prompt": ["word " * 3000, COUNTING]}
+    refused = httpx.post(server.url + "/v1/completions", json=batch, timeout=60)
+    assert refused.status_code == 400 and "context" in refused.json()["error"]["message"]
+    wait_for(  # cut, not run to its 1,500 tokens
+        "the other abandoned",
+        lambda: server.metrics().get('specdec:requests_total{finish_reason="abandoned"}') == 1,
+    )
     too_many = httpx.post(
         server.url + "/v1/completions", json={**body, "n": 16}, timeout=30
     )  # more than the slots and the queue hold together: never admitted, whatever the load
