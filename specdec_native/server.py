@@ -845,7 +845,7 @@ class Server:
         (job,) = jobs
         run = Run(self.decoder, job, rid, chat, arrived, on_start=self._update_gauges)
         self.runs.add(run)
-        run.future.add_done_callback(lambda _: self._ended(run))
+        run.future.add_done_callback(functools.partial(self._ended_future, run))
         if not await run.until(request, started=job.stream):
             return Response(status_code=499)  # nobody is there to read it
         if job.stream and run.started.is_set():
@@ -874,7 +874,7 @@ class Server:
         self, request: Request, jobs: list[Job], rid: str, chat: bool, arrived: float, n: int
     ) -> Response:
         """A request of several choices (n, or a batch of prompts): a run each, at once, and
-        one answer once all have ended."""
+        one answer once all have ended, or at once where one's failure decides it."""
         assert self.decoder is not None
         runs = [
             Run(self.decoder, job, rid, chat, arrived, self._update_gauges, index=i)
