@@ -150,7 +150,8 @@ void Engine::draft_all() {
 namespace {
 // A waiting prompt's part in this step, at most `room` rows: a short one whole (its stall on
 // the running streams is one step's either way, and chunks would only put off its first
-// token), a longer one as much as the step's chunk `budget` has left (lowered here).
+// token), a longer one as much as the step's chunk `budget` has left (lowered here); a scored
+// one no more than the decode's `scored_room` has left (lowered here).
 struct PromptShare {
     int rows = 0;
     // The chunk ends a greedy prompt and brings its first token's row: the time to the first
@@ -159,11 +160,13 @@ struct PromptShare {
     // logits would differ by float noise, and a seed would not repeat a call.
     bool first_row = false;
 };
-PromptShare prompt_share(const Generation& g, int& budget, int room) {
+PromptShare prompt_share(const Generation& g, int& budget, int room, int& scored_room) {
+    if (g.scores_prompt()) room = std::min(room, scored_room);
     const int left = g.prompt_left();
     const bool chunked = left > Engine::kPrefillChunk;
     const int rows = std::min({left, chunked ? budget : left, room});
     if (chunked) budget -= rows;
+    if (g.scores_prompt()) scored_room -= rows;
     return {rows, rows == left && rows < room && g.greedy()};
 }
 }  // namespace
@@ -174,10 +177,7 @@ void Engine::add_prompt_chunks(int budget, int room) {
     failed_.clear();
     int scored_room = Generation::kScoredPromptRows;
     for (Generation* g : prefilling_) {
-        const bool scored = g->scores_prompt();
-        const PromptShare share =
-            prompt_share(*g, budget, scored ? std::min(room, scored_room) : room);
-        if (scored) scored_room -= share.rows;
+        const PromptShare share = prompt_share(*g, budget, room, scored_room);
         if (share.rows <= 0) continue;
         try {
             room -= g->add_prefill(target_batch_, share.rows);
@@ -233,8 +233,9 @@ void Engine::size_prefill_chunk(double t_decode, bool with_prefill) {
 
 int Engine::prompt_rows(int budget) const {
     int rows = 0;
+    int scored_room = Generation::kScoredPromptRows;
     for (const Generation* g : prefilling_) {
-        const PromptShare share = prompt_share(*g, budget, target_->n_batch());
+        const PromptShare share = prompt_share(*g, budget, target_->n_batch(), scored_room);
         rows += share.rows + (share.first_row ? 1 : 0);
     }
     return rows;

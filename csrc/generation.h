@@ -212,8 +212,9 @@ class Generation {
     // The prompt's tokens not yet in the target's cache (the last is decoded with the first step).
     int prompt_left() const { return static_cast<int>(req_.prompt.size() - 1 - prefilled_); }
     // Rows of scored prompts (prompt_logprobs) one decode holds at most, all requests together:
-    // each has logits, a vocabulary's floats (12 MB on a 49k vocabulary, 67 MB on a 262k one),
-    // and llama.cpp keeps the largest output buffer it was asked for.
+    // each asks for logits, a vocabulary's floats (12 MB for 64 rows on a 49k vocabulary, 67 MB
+    // on a 262k one), where a prompt's rows otherwise ask for none; llama.cpp keeps the
+    // largest output buffer it was asked for.
     static constexpr int kScoredPromptRows = 64;
     bool scores_prompt() const { return req_.prompt_logprobs >= 0; }
     // Adds up to `budget` of the prompt's missing tokens to the target's batch (logits only

@@ -159,14 +159,16 @@ void SharedNgramIndex::load(const std::string& path, VocabKey vocab) {
     FileHeader h{};
     std::array<double, 2 * CopyPolicy::kBuckets> evidence{};
     in.read(reinterpret_cast<char*>(&h), sizeof h);
+    const bool has_magic = in.gcount() >= static_cast<std::streamsize>(sizeof kMagic) &&
+                           std::memcmp(h.magic, kMagic, sizeof kMagic - 1) == 0;
     in.read(reinterpret_cast<char*>(evidence.data()), sizeof evidence);
     const std::string bad = path + " is not a shared n-gram index of this model: ";
-    if (!in || std::memcmp(h.magic, kMagic, sizeof kMagic - 1) != 0)
-        throw std::invalid_argument(bad + "no index header");
-    if (h.magic[sizeof kMagic - 1] != kMagic[sizeof kMagic - 1])
+    // The version first: another version's header may be shorter than this one's.
+    if (has_magic && h.magic[sizeof kMagic - 1] != kMagic[sizeof kMagic - 1])
         throw std::invalid_argument(bad + "its format is another version's (" +
                                     std::string(1, h.magic[sizeof kMagic - 1]) + ", this one " +
                                     std::string(1, kMagic[sizeof kMagic - 1]) + ")");
+    if (!in || !has_magic) throw std::invalid_argument(bad + "no index header");
     const int n_vocab = vocab.n_vocab;
     if (h.n_vocab != n_vocab)
         throw std::invalid_argument(bad + "its vocabulary has " + std::to_string(h.n_vocab) +

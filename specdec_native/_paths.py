@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,9 +18,10 @@ def cache_base() -> Path:
 
 def write_whole(path: Path, write: Callable[[Path], object]) -> None:
     """Writes path through a part file beside it, moved into place once complete: a failure or
-    a kill leaves the path as it was, never half a file, and two processes writing the same
-    path do not share a part file."""
-    part = path.with_name(f"{path.stem}.{os.getpid()}.part{path.suffix}")  # suffix: the format
+    a kill leaves the path as it was, never half a file, and two writers of the same path (two
+    processes, two threads) do not share a part file."""
+    writer = f"{os.getpid()}.{threading.get_ident()}"
+    part = path.with_name(f"{path.stem}.{writer}.part{path.suffix}")  # suffix: the format
     try:
         write(part)
         os.replace(part, path)

@@ -229,8 +229,14 @@ class Metrics:
         )
 
     def observe(
-        self, result: GenerationResult, finish_reason: str, seconds: float, waited: float
+        self,
+        result: GenerationResult,
+        finish_reason: str,
+        seconds: float,
+        waited: float,
+        generated: int,
     ) -> None:
+        """One run's counts, as its client was told them (`finish_reason`, `generated` tokens)."""
         s = result.stats
         self.drafts.inc(s.n_speculative_steps)
         self.draft_tokens.inc(s.n_drafted)
@@ -247,7 +253,7 @@ class Metrics:
             )
         self.prompt_tokens.inc(s.n_prompt)
         self.prompt_tokens_cached.inc(s.n_prompt_cached)
-        self.generation_tokens.inc(s.n_generated)
+        self.generation_tokens.inc(generated)
         self.requests.labels(finish_reason=finish_reason).inc()
         if s.fallback_reason or s.draft_error:
             self.fallbacks.labels(reason=s.draft_error or s.fallback_reason).inc()
@@ -464,7 +470,7 @@ class Run:
         return False
 
 
-async def _all_ended(runs: list[Run], request: Request) -> bool:
+async def _until_decided(runs: list[Run], request: Request) -> bool:
     """Waits until every run has ended, or one has failed or was cut at a shutdown (the answer
     is then that, and the others are abandoned): True. If the client goes away first, all are
     cancelled: False."""
@@ -840,12 +846,11 @@ class Server:
         except BaseException:  # this handler cancelled while the template rendered
             self.release()
             raise
-        if len(jobs) > 1:
-            return await self._choices(request, jobs, rid, chat, arrived, body.n or 1)
-        (job,) = jobs
-        run = Run(self.decoder, job, rid, chat, arrived, on_start=self._update_gauges)
-        self.runs.add(run)
-        run.future.add_done_callback(functools.partial(self._ended_future, run))
+        runs = self._start(jobs, rid, chat, arrived)
+        if len(runs) > 1:
+            return await self._choices(request, runs, body.n or 1)
+        (run,) = runs
+        job = run.job
         if not await run.until(request, started=job.stream):
             return Response(status_code=499)  # nobody is there to read it
         if job.stream and run.started.is_set():
@@ -870,20 +875,31 @@ class Server:
             return _not_scored(run.cut or result.finish_reason).response()
         return JSONResponse(self._completion(run, result))
 
-    async def _choices(
-        self, request: Request, jobs: list[Job], rid: str, chat: bool, arrived: float, n: int
-    ) -> Response:
-        """A request of several choices (n, or a batch of prompts): a run each, at once, and
-        one answer once all have ended, or at once where one's failure decides it."""
+    def _start(self, jobs: list[Job], rid: str, chat: bool, arrived: float) -> list[Run]:
+        """A run for each admitted job (its end releases its admission; a choice among several
+        is logged with its index). If one cannot start, the admissions of those not started
+        are released and the started ones abandoned."""
         assert self.decoder is not None
-        runs = [
-            Run(self.decoder, job, rid, chat, arrived, self._update_gauges, index=i)
-            for i, job in enumerate(jobs)
-        ]
-        for run in runs:
-            self.runs.add(run)
-            run.future.add_done_callback(functools.partial(self._ended_future, run))
-        if not await _all_ended(runs, request):
+        runs: list[Run] = []
+        try:
+            for i, job in enumerate(jobs):
+                index = i if len(jobs) > 1 else None
+                run = Run(self.decoder, job, rid, chat, arrived, self._update_gauges, index)
+                self.runs.add(run)
+                run.future.add_done_callback(functools.partial(self._ended_future, run))
+                runs.append(run)
+        except BaseException:
+            for _ in jobs[len(runs) :]:
+                self.release()
+            for run in runs:
+                run.cancel("abandoned")
+            raise
+        return runs
+
+    async def _choices(self, request: Request, runs: list[Run], n: int) -> Response:
+        """A request of several choices (n for each prompt): one answer once all have ended,
+        or at once where one's failure decides it."""
+        if not await _until_decided(runs, request):
             return Response(status_code=499)  # nobody is there to read it
         for run in runs:  # the first failure answers for all
             if not run.future.done():
@@ -947,12 +963,15 @@ class Server:
         ended = run.cut if result.finish_reason == "cancelled" and run.cut else result.finish_reason
         if ended in ("stop", "length") and run.called_tools(result):
             ended = "tool_calls"  # as the client was told
-        self.metrics.observe(result, ended, seconds, waited)
+        if ended in ("stop", "length") and run.job.scores_only:
+            ended = "length"  # as the client was told: its token is not given
+        generated = 0 if run.job.scores_only else result.stats.n_generated
+        self.metrics.observe(result, ended, seconds, waited, generated)
         s = result.stats
         fields.update(
             prompt_tokens=s.n_prompt,
             cached_tokens=s.n_prompt_cached,
-            completion_tokens=0 if run.job.scores_only else s.n_generated,
+            completion_tokens=generated,
             finish_reason=str(ended),
             acceptance_rate=round(s.acceptance_rate, 3),
             fallback_reason=s.draft_error or s.fallback_reason,
@@ -1164,7 +1183,7 @@ def _not_scored(why: str) -> RequestError:
     # Partial logprobs would read as a complete (and too likely) score.
     return RequestError(
         503,
-        f"the request ended ({why}) before its prompt was scored whole",
+        f"the request ended ({why}) before its prompt and the token after it were scored",
         kind="server_error",
         code="not_scored",
     )

@@ -294,7 +294,7 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
         saved = path.read_bytes()
         header = 40  # magic, n_vocab, ngram_min, ngram_max, (padding), n_tokens, vocab's hash
         forged_count = saved[:24] + (1 << 31).to_bytes(8, "little") + saved[32:]
-        older = saved[:7] + b"1" + saved[8:]
+        older = saved[:7] + b"1" + saved[8:32]  # an older header, shorter than this one's
         other_vocab = saved[:8] + (12345).to_bytes(4, "little") + saved[12:]
         lengths = saved[:12] + (9).to_bytes(4, "little") + (2).to_bytes(4, "little") + saved[20:]
         # Tries past 2**53: a new try would add nothing, the evidence fixed for good.

@@ -20,6 +20,7 @@ import jsonschema  # type: ignore[import-untyped]
 import openai
 import pydantic
 import pytest
+from conftest import BATCHED_NEAR_TIE_GAP
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 from server_process import ROOT, Server, free_port, start, wait_ready
 
@@ -1321,13 +1322,17 @@ def test_echo_scores_the_prompt_as_a_scorer_reads_it(
     )
     assert nxt is not None and nxt.top_logprobs
     # The prompt's decode and a one-token read differ by float noise.
-    assert paris == pytest.approx(nxt.top_logprobs[0][" Paris"], abs=0.35)
+    assert paris == pytest.approx(nxt.top_logprobs[0][" Paris"], abs=BATCHED_NEAR_TIE_GAP)
     # The same through max_tokens 0: the prompt scored, nothing generated.
+    generated = chat_server.metrics()["specdec:generation_tokens_total"]
     only = httpx.post(
         chat_server.url + "/v1/completions",
-        json={"prompt": context + answer, "max_tokens": 0, "logprobs": 1, "echo": True},
+        json={"prompt": context + answer, "max_tokens": 0, "logprobs": 1, "echo": True,
+              "temperature": 0},
         timeout=60,
-    ).json()
+    ).json()  # fmt: skip
+    # Counted as the client is told: nothing generated.
+    assert chat_server.metrics()["specdec:generation_tokens_total"] == generated
     assert only["choices"][0]["text"] == "The capital of France is Paris"
     assert only["choices"][0]["finish_reason"] == "length"
     assert only["usage"]["completion_tokens"] == 0
