@@ -20,7 +20,7 @@ import jsonschema  # type: ignore[import-untyped]
 import openai
 import pydantic
 import pytest
-from conftest import BATCHED_NEAR_TIE_GAP
+from conftest import BATCHED_NEAR_TIE_GAP, SHARED_DECODE_NEAR_TIE_GAP
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 from server_process import ROOT, Server, free_port, start, wait_ready
 
@@ -1365,6 +1365,19 @@ def test_echo_scores_the_prompt_as_a_scorer_reads_it(
     assert chat.status_code == 400 and "/v1/completions" in chat.json()["error"]["message"]
 
 
+def assert_same_completion_or_near_tie(a: Any, b: Any, gap: float) -> None:
+    """Two greedy completions (with logprobs of 2) are the same tokens, or first differ where
+    both had their two likeliest tokens within `gap`."""
+    ta, tb = a.logprobs.tokens, b.logprobs.tokens
+    i = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+    if i is None:
+        assert ta == tb
+        return
+    for lp in (a.logprobs, b.logprobs):
+        first, second = sorted(lp.top_logprobs[i].values(), reverse=True)[:2]
+        assert first - second < gap, (i, ta, tb, lp.top_logprobs[i])
+
+
 def test_several_choices_are_generated_together_and_answered_in_order(
     chat_server: Server, client: openai.OpenAI
 ) -> None:
@@ -1384,15 +1397,18 @@ def test_several_choices_are_generated_together_and_answered_in_order(
     assert (
         sampled.usage.total_tokens == sampled.usage.prompt_tokens + sampled.usage.completion_tokens
     )
-    # A batch of prompts: a choice each, in order, as each alone would be answered (prompts
-    # whose continuations are far from any near-tie: batched decodes differ by float noise).
+    # A batch of prompts: a choice each, in order, as each alone would be answered, up to a
+    # near-tie (their decodes are shared, and differ from a lone one's by float noise).
     prompts = ["1, 2, 3, 4,", "Monday, Tuesday,"]
-    batch = client.completions.create(model="smol", prompt=prompts, max_tokens=5, temperature=0)
+    batch = client.completions.create(
+        model="smol", prompt=prompts, max_tokens=5, temperature=0, logprobs=2
+    )
     alone = [
-        client.completions.create(model="smol", prompt=p, max_tokens=5, temperature=0)
+        client.completions.create(model="smol", prompt=p, max_tokens=5, temperature=0, logprobs=2)
         for p in prompts
     ]
-    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    for together, by_itself in zip(batch.choices, [a.choices[0] for a in alone], strict=True):
+        assert_same_completion_or_near_tie(together, by_itself, SHARED_DECODE_NEAR_TIE_GAP)
     assert batch.usage is not None and batch.usage.prompt_tokens == sum(
         a.usage.prompt_tokens for a in alone if a.usage is not None
     )
