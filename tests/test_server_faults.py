@@ -68,6 +68,17 @@ def wait_for(what: str, ok: object, seconds: float = 20) -> None:
     raise AssertionError(f"not within {seconds} s: {what}")
 
 
+def wait_idle(server: Server, what: str, seconds: float = 20) -> None:
+    """Waits until the server runs nothing and nothing waits."""
+
+    def idle() -> bool:
+        gauges = server.metrics()
+        running = gauges["specdec:num_requests_running"]
+        return running == 0 and gauges["specdec:num_requests_waiting"] == 0
+
+    wait_for(what, idle, seconds)
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_q40: Path) -> Iterator[Server]:
     # Two slots and a small queue: hung-up requests that kept running would hold them all.
@@ -87,14 +98,7 @@ def test_clients_that_hang_up_unstreamed_free_their_slots(server: Server) -> Non
     for sock in socks:
         sock.close()
     # Each is cancelled within a step: the slots are free long before 1,500 tokens.
-    wait_for(
-        "the hung-up requests stopped",
-        lambda: (
-            server.metrics()["specdec:num_requests_running"] == 0
-            and server.metrics()["specdec:num_requests_waiting"] == 0
-        ),
-        seconds=10,
-    )
+    wait_idle(server, "the hung-up requests stopped", seconds=10)
     after = server.metrics()
     key = 'specdec:requests_total{finish_reason="disconnect"}'
     assert after[key] - before.get(key, 0) == 6  # counted, and named
@@ -383,13 +387,7 @@ def test_a_soak_of_hostile_traffic_loses_nothing_and_leaks_nothing(
         fds, rss, before = open_fds(s), s.rss_mib(), s.metrics()
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(one, range(16, 500)))
-        wait_for(
-            "every request ended",
-            lambda: (
-                s.metrics()["specdec:num_requests_running"] == 0
-                and s.metrics()["specdec:num_requests_waiting"] == 0
-            ),
-        )
+        wait_idle(s, "every request ended")
         after = s.metrics()
         # Every request reached the server and was counted once: as a run (however it ended)
         # or as a refusal (a bad body, a full queue).
@@ -475,14 +473,7 @@ def test_a_request_of_several_choices_takes_a_slot_each_and_a_hang_up_frees_them
         ),
     )
     sock.close()
-    wait_for(
-        "all three stopped",
-        lambda: (
-            server.metrics()["specdec:num_requests_running"] == 0
-            and server.metrics()["specdec:num_requests_waiting"] == 0
-        ),
-        seconds=10,
-    )
+    wait_idle(server, "all three stopped", seconds=10)
     key = 'specdec:requests_total{finish_reason="disconnect"}'
     assert server.metrics()[key] - before.get(key, 0) == 3
     # One prompt of a batch cannot be served: its error answers at once, the other abandoned.
