@@ -185,7 +185,7 @@ class _Generation(_Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(
-        None, ge=1, le=MAX_CHOICES, description="choices, each its own generation (not streamed)"
+        None, ge=1, le=MAX_CHOICES, description="choices, each its own generation"
     )
     speculative: Optional[Speculative] = None
     response_format: Optional[ResponseFormat] = None
@@ -344,8 +344,6 @@ class _Generation(_Body):
     def _stream_options_when_streaming(self) -> _Generation:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
-        if self.stream and self.n_choices > 1:
-            raise ValueError("several choices are answered whole: send them without stream")
         return self
 
     @property
@@ -438,7 +436,7 @@ class CompletionRequest(_Generation):
     prompt: Union[Prompt, Annotated[list[Prompt], Field(min_length=1, max_length=MAX_CHOICES)]] = (
         Field(
             description=f"text, or token ids; or a batch of them (at most {MAX_CHOICES} choices in "
-            "all, not streamed), answered as a choice each, in order"
+            "all), answered as a choice each, in order"
         )
     )
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

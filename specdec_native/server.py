@@ -373,6 +373,9 @@ def _refusal(e: BaseException) -> RequestError:
     return RequestError(500, f"{type(e).__name__}: {e}", kind="server_error")
 
 
+Pieces = asyncio.Queue[tuple["Run", tuple[str, list[TokenLogprob]] | None]]
+
+
 class Run:
     """One request's generation (SpeculativeDecoder.run) on a worker thread: its cancel flag,
     its text as it comes, when it ended, and why the server cut it short, if it did
@@ -388,14 +391,16 @@ class Run:
         chat: bool,
         arrived: float,
         on_start: Callable[[], None],
+        pieces: Pieces,
         index: int | None = None,
     ) -> None:
         self.job, self.rid, self.chat, self.arrived = job, rid, chat, arrived
         self.index = index  # its choice's, in a request of several
         self.flag = _core.CancelFlag()
         self.started = asyncio.Event()  # the engine gave it a slot: every check passed
-        # Text as committed, with its tokens' logprobs when asked for; None: no more.
-        self.pieces: asyncio.Queue[tuple[str, list[TokenLogprob]] | None] = asyncio.Queue()
+        # Text as committed, with its tokens' logprobs when asked for; None: no more. One queue
+        # for all the choices of a request, so that a stream of several reads them as they come.
+        self.pieces = pieces
         self.cut: str | None = None
         self.ended = arrived  # when the generation returned (set then)
         loop = asyncio.get_running_loop()
@@ -408,7 +413,7 @@ class Run:
             logprobs.extend(entries)
 
         def text_came(text: str) -> None:
-            piece = (text, logprobs.copy())
+            piece = (self, (text, logprobs.copy()))
             logprobs.clear()
             loop.call_soon_threadsafe(self.pieces.put_nowait, piece)
 
@@ -430,7 +435,7 @@ class Run:
 
     def _returned(self, _: object) -> None:
         self.ended = time.monotonic()
-        self.pieces.put_nowait(None)
+        self.pieces.put_nowait((self, None))
 
     def waited(self, result: GenerationResult) -> float:
         """Seconds it waited for the engine (it queues for the engine's thread before the
@@ -452,28 +457,12 @@ class Run:
             self.cut = self.cut or why
             self.flag.cancel()
 
-    async def until(self, request: Request, *, started: bool = False) -> bool:
-        """Waits until the run has ended (or, with `started`, has a slot): True. If the client
-        goes away first, the run is cancelled: False."""
-        awaited: set[asyncio.Future[Any]] = {self.future}
-        if started:
-            awaited.add(asyncio.ensure_future(self.started.wait()))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait(awaited | {gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in awaited - {self.future} | {gone}:
-                waiter.cancel()
-        if self.future.done() or (started and self.started.is_set()):
-            return True
-        self.cancel("disconnect")
-        return False
 
-
-async def _until_decided(runs: list[Run], request: Request) -> bool:
+async def _until_decided(runs: list[Run], request: Request, *, started: bool = False) -> bool:
     """Waits until every run has ended, or one has failed or was cut at a shutdown (the answer
-    is then that, and the others are abandoned): True. If the client goes away first, all are
-    cancelled: False."""
+    is then that, and the others are abandoned), or, with `started`, each has a slot or has
+    ended (a stream opens then: every check has passed): True. If the client goes away first,
+    all are cancelled: False."""
     decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     left = len(runs)
 
@@ -486,15 +475,34 @@ async def _until_decided(runs: list[Run], request: Request) -> bool:
 
     for run in runs:
         run.future.add_done_callback(functools.partial(ended, run))
+    awaited: set[asyncio.Future[Any]] = {decided}
+    if started:
+        awaited.add(asyncio.ensure_future(asyncio.gather(*(_settled(run) for run in runs))))
     gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({decided, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(awaited | {gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        gone.cancel()
-    why = "abandoned" if decided.done() else "disconnect"
+        for waiter in awaited - {decided} | {gone}:
+            waiter.cancel()
+    if decided.done():
+        for run in runs:
+            run.cancel("abandoned")  # those still running or waiting
+        return True
+    if started and all(run.started.is_set() or run.future.done() for run in runs):
+        return True
     for run in runs:
-        run.cancel(why)  # those still running or waiting
-    return decided.done()
+        run.cancel("disconnect")
+    return False
+
+
+async def _settled(run: Run) -> None:
+    """Returns when the run has a slot or has ended."""
+    slot = asyncio.ensure_future(run.started.wait())
+    either: set[asyncio.Future[Any]] = {slot, run.future}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        slot.cancel()
 
 
 async def _disconnected(request: Request) -> None:
@@ -507,13 +515,39 @@ async def _disconnected(request: Request) -> None:
 
 
 def _answer_end(tools: ToolFormat, answer: Streamed, text: str) -> list[dict[str, Any]]:
-    """The chunks' choices a streamed output with tools ends with: what of its content was
-    not streamed yet, then its tool calls."""
+    """The deltas a streamed output with tools ends with: what of its content was not streamed
+    yet, then its tool calls."""
     content, calls = tools.output(text, answer.streamed)
     rest = content[len(answer.streamed) :]
     deltas: list[dict[str, Any]] = [{"content": rest}] if rest else []
-    deltas += [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
-    return [{"index": 0, "delta": d, "finish_reason": None} for d in deltas]
+    return deltas + [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
+
+
+def _failure(runs: list[Run]) -> RequestError | None:
+    """What answers for a request whose choice failed or was cut at a shutdown: the first
+    such choice's refusal; None if none did."""
+    for run in runs:
+        if not run.future.done():
+            continue  # abandoned: another's failure decided
+        if (error := run.future.exception()) is not None:
+            return _refusal(error)
+        if run.cut == "shutdown":
+            return _shutting_down()
+    return None
+
+
+def _total_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """The usage of a request's choices, n for each prompt in order: a prompt counts once."""
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages[::n])
+    completion_tokens = sum(u["completion_tokens"] for u in usages)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages[::n])
+        },
+    }
 
 
 def _finish_reason(result: GenerationResult) -> str:
@@ -847,33 +881,9 @@ class Server:
             self.release()
             raise
         runs = self._start(jobs, rid, chat, arrived)
-        if len(runs) > 1:
-            return await self._choices(request, runs, body.n or 1)
-        (run,) = runs
-        job = run.job
-        if not await run.until(request, started=job.stream):
-            return Response(status_code=499)  # nobody is there to read it
-        if job.stream and run.started.is_set():
-            return EventSourceResponse(
-                self._events(run),
-                ping=15,
-                sep="\n",
-                # Running streams are cut at the grace limit by the server itself, with a
-                # last chunk and [DONE]; sse-starlette's own cut is only a backstop.
-                shutdown_grace_period=self.settings.grace + 5,
-            )
-        # Ended (a stream: before it had a slot).
-        error = run.future.exception()
-        if error is not None:
-            return _refusal(error).response()
-        if run.cut == "shutdown":
-            return _shutting_down().response()
-        result = run.future.result()
-        if job.stream:  # ended while it waited (its deadline): no text, but a stream all the same
-            return EventSourceResponse(self._events(run), sep="\n")
-        if job.echo and not _scored_whole(job, result):
-            return _not_scored(run.cut or result.finish_reason).response()
-        return JSONResponse(self._completion(run, result))
+        if body.stream:
+            return await self._stream(request, runs, body.n or 1)
+        return await self._choices(request, runs, body.n or 1)
 
     def _start(self, jobs: list[Job], rid: str, chat: bool, arrived: float) -> list[Run]:
         """A run for each admitted job (its end releases its admission; a choice among several
@@ -881,10 +891,11 @@ class Server:
         are released and the started ones abandoned."""
         assert self.decoder is not None
         runs: list[Run] = []
+        pieces: Pieces = asyncio.Queue()
         try:
             for i, job in enumerate(jobs):
                 index = i if len(jobs) > 1 else None
-                run = Run(self.decoder, job, rid, chat, arrived, self._update_gauges, index)
+                run = Run(self.decoder, job, rid, chat, arrived, self._update_gauges, pieces, index)
                 self.runs.add(run)
                 run.future.add_done_callback(functools.partial(self._ended_future, run))
                 runs.append(run)
@@ -897,37 +908,37 @@ class Server:
         return runs
 
     async def _choices(self, request: Request, runs: list[Run], n: int) -> Response:
-        """A request of several choices (n for each prompt): one answer once all have ended,
-        or at once where one's failure decides it."""
+        """A request's answer, not streamed: once all its choices (n for each prompt) have
+        ended, or at once where one's failure decides it."""
         if not await _until_decided(runs, request):
             return Response(status_code=499)  # nobody is there to read it
-        for run in runs:  # the first failure answers for all
-            if not run.future.done():
-                continue  # abandoned: another's failure decided
-            if (error := run.future.exception()) is not None:
-                return _refusal(error).response()
-            if run.cut == "shutdown":
-                return _shutting_down().response()
+        if (refusal := _failure(runs)) is not None:
+            return refusal.response()
         for run in runs:
             if run.job.echo and not _scored_whole(run.job, run.future.result()):
                 return _not_scored(run.cut or run.future.result().finish_reason).response()
         answers = [self._completion(run, run.future.result()) for run in runs]
         out = answers[0]
-        out["choices"] = [a["choices"][0] | {"index": i} for i, a in enumerate(answers)]
-        usages = [a["usage"] for a in answers]
-        prompt_tokens = sum(u["prompt_tokens"] for u in usages[::n])  # a prompt counts once
-        completion_tokens = sum(u["completion_tokens"] for u in usages)
-        out["usage"] = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {
-                "cached_tokens": sum(
-                    u["prompt_tokens_details"]["cached_tokens"] for u in usages[::n]
-                )
-            },
-        }
+        if len(answers) > 1:
+            out["choices"] = [a["choices"][0] | {"index": i} for i, a in enumerate(answers)]
+            out["usage"] = _total_usage([a["usage"] for a in answers], n)
         return JSONResponse(out)
+
+    async def _stream(self, request: Request, runs: list[Run], n: int) -> Response:
+        """A request's answer as server-sent events, once each of its choices has a slot (a
+        choice that cannot start, or a shutdown before it has, is answered as such)."""
+        if not await _until_decided(runs, request, started=True):
+            return Response(status_code=499)  # nobody is there to read it
+        if (refusal := _failure(runs)) is not None:
+            return refusal.response()
+        return EventSourceResponse(
+            self._events(runs, n),
+            ping=15,
+            sep="\n",
+            # Running streams are cut at the grace limit by the server itself, with a last
+            # chunk and [DONE]; sse-starlette's own cut is only a backstop.
+            shutdown_grace_period=self.settings.grace + 5,
+        )
 
     def _ended_future(self, run: Run, _: object) -> None:
         self._ended(run)
@@ -1058,10 +1069,13 @@ class Server:
                 out["text_offset"] = [max(0, at - extra) for at in out["text_offset"]]
         return text, out
 
-    def _chunk(self, run: Run, text: str | None, finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    def _chunk(
+        self, run: Run, text: str | None, finish: str | None, delta: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """A chunk of a stream: `text` of run's choice (or, on chat, `delta`)."""
+        choice: dict[str, Any] = {"index": run.index or 0, "finish_reason": finish}
         if run.chat:
-            choice["delta"] = {} if text is None else {"content": text}
+            choice["delta"] = delta or ({} if text is None else {"content": text})
         else:
             choice["text"] = text or ""
             choice["logprobs"] = None
@@ -1109,54 +1123,86 @@ class Server:
             "text_offset": [at.next(pieces[e.token]) for e in entries],
         }
 
-    async def _events(self, run: Run) -> AsyncIterator[str]:
-        """The run's text as server-sent events, then its finish reason, usage and [DONE]. A
-        client that goes away cancels this task: leaving here cancels the run."""
+    async def _events(self, runs: list[Run], n: int) -> AsyncIterator[str]:
+        """The runs' text as server-sent events (each choice's chunks by its index, as they
+        come), each one's finish reason, then the usage of all and [DONE]. A client that goes
+        away cancels this task: leaving here cancels the runs."""
         try:
-            if run.chat:
-                first = self._chunk(run, None, None)
-                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield json.dumps(first)
-            tools = run.job.tools
-            answer = None if tools is None else tools.streamed()
-            # Each chunk carries its tokens' logprobs; with tools, whose text is rewritten as it
-            # streams, the last chunk carries them all.
-            sent, offsets = 0, TextOffsets()
-            while (piece := await run.pieces.get()) is not None:
-                text, logprobs = piece
-                if answer is not None:
-                    for part in answer.feed(text):
-                        yield json.dumps(self._chunk(run, part, None))
+            if runs[0].chat:
+                for run in runs:
+                    yield json.dumps(
+                        self._chunk(run, None, None, {"role": "assistant", "content": ""})
+                    )
+            streams = {run: _ChoiceStream(run) for run in runs}
+            usages: list[dict[str, Any]] = []
+            while len(usages) < len(runs):
+                run, piece = await runs[0].pieces.get()
+                stream = streams[run]
+                if piece is not None:
+                    for chunk in self._piece_chunks(stream, *piece):
+                        yield json.dumps(chunk)
                     continue
-                chunk = self._chunk(run, text, None)
-                if logprobs:
-                    chunk["choices"][0]["logprobs"] = self._logprobs(run, logprobs, offsets)
-                    sent += len(logprobs)
-                yield json.dumps(chunk)
-            error = run.future.exception()
-            if error is not None:  # the model or the backend failed mid-stream
-                refusal = _refusal(error)
-                yield json.dumps({"error": {"message": refusal.message, "type": refusal.kind}})
-                return
-            result = run.future.result()
-            finish = _finish_reason(result)
-            if tools is not None and answer is not None:
-                for chunk in _answer_end(tools, answer, result.text):
-                    finish = "tool_calls" if "tool_calls" in chunk["delta"] else finish
-                    yield json.dumps(self._chunk(run, None, None) | {"choices": [chunk]})
-            last = self._chunk(run, None if run.chat else "", finish)
-            rest = None if result.logprobs is None else result.logprobs[sent:]
-            last["choices"][0]["logprobs"] = self._logprobs(run, rest or None, offsets)
-            last["timings"] = timings(result, run.waited(result))
-            yield json.dumps(last)
-            if run.job.include_usage:
-                usage = self._chunk(run, None, None)
+                error = run.future.exception()
+                if error is not None:  # the model or the backend failed mid-stream
+                    for other in runs:
+                        other.cancel("abandoned")
+                    refusal = _refusal(error)
+                    yield json.dumps({"error": {"message": refusal.message, "type": refusal.kind}})
+                    return
+                for chunk in self._end_chunks(stream):
+                    yield json.dumps(chunk)
+                usages.append(_usage(run.future.result()))
+            if runs[0].job.include_usage:
+                usage = self._chunk(runs[0], None, None)
                 usage["choices"] = []
-                usage["usage"] = _usage(result)
+                usage["usage"] = _total_usage(usages, n)
                 yield json.dumps(usage)
             yield "[DONE]"
         finally:
-            run.cancel("disconnect")  # no effect once the run has ended
+            for run in runs:
+                run.cancel("disconnect")  # no effect once a run has ended
+
+    def _piece_chunks(
+        self, stream: _ChoiceStream, text: str, logprobs: list[TokenLogprob]
+    ) -> list[dict[str, Any]]:
+        """The chunks of a piece of a choice's text. Each carries its tokens' logprobs; with
+        tools, whose text is rewritten as it streams, the last chunk carries them all."""
+        run = stream.run
+        if stream.answer is not None:
+            return [self._chunk(run, part, None) for part in stream.answer.feed(text)]
+        chunk = self._chunk(run, text, None)
+        if logprobs:
+            chunk["choices"][0]["logprobs"] = self._logprobs(run, logprobs, stream.offsets)
+            stream.sent += len(logprobs)
+        return [chunk]
+
+    def _end_chunks(self, stream: _ChoiceStream) -> list[dict[str, Any]]:
+        """The chunks that end a choice: with tools, the content not yet streamed and the
+        calls; then its finish reason, the logprobs not yet sent and its timings."""
+        run, result = stream.run, stream.run.future.result()
+        chunks, finish = [], _finish_reason(result)
+        tools = run.job.tools
+        if tools is not None and stream.answer is not None:
+            for delta in _answer_end(tools, stream.answer, result.text):
+                finish = "tool_calls" if "tool_calls" in delta else finish
+                chunks.append(self._chunk(run, None, None, delta))
+        last = self._chunk(run, None if run.chat else "", finish)
+        rest = None if result.logprobs is None else result.logprobs[stream.sent :]
+        last["choices"][0]["logprobs"] = self._logprobs(run, rest or None, stream.offsets)
+        last["timings"] = timings(result, run.waited(result))
+        return [*chunks, last]
+
+
+class _ChoiceStream:
+    """Where a streamed choice stands: its answer so far (with tools), and how many of its
+    tokens' logprobs were sent and where their text ends."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        tools = run.job.tools
+        self.answer: Streamed | None = None if tools is None else tools.streamed()
+        self.sent = 0
+        self.offsets = TextOffsets()
 
 
 def _at_capacity() -> RequestError:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal, NamedTuple
 
 import httpx
@@ -251,7 +252,6 @@ def test_speculation_can_be_turned_off_per_request(chat_server: Server) -> None:
         ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ("completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ("completions", {"prompt": "x", "n": 17}, 400, "'n'"),
-        ("completions", {"prompt": "x", "n": 2, "stream": True}, 400, "without stream"),
         ("completions", {"prompt": ["a", "b"], "n": 9}, 400, "at most 16"),
         ("completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream"),
@@ -1412,6 +1412,60 @@ def test_several_choices_are_generated_together_and_answered_in_order(
     assert batch.usage is not None and batch.usage.prompt_tokens == sum(
         a.usage.prompt_tokens for a in alone if a.usage is not None
     )
+
+
+def test_several_choices_streamed_each_by_its_index(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Name a colour."}], n=3,
+            max_tokens=8, temperature=1.0, seed=7, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    by_index: dict[int, list[Any]] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        by_index.setdefault(choice.index, []).append(choice)
+    assert sorted(by_index) == [0, 1, 2]
+    for choices in by_index.values():
+        assert choices[0].delta.role == "assistant"
+        assert [c.finish_reason for c in choices[:-1]] == [None] * (len(choices) - 1)
+        assert choices[-1].finish_reason == "length"
+    texts = ["".join(c.delta.content or "" for c in by_index[i]) for i in range(3)]
+    assert len(set(texts)) > 1  # each its own seed
+    usage = chunks[-1].usage
+    assert usage is not None and chunks[-1].choices == []
+    assert usage.completion_tokens == 3 * 8  # every choice's tokens, the prompt once
+    one = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=1
+    )
+    assert one.usage is not None and usage.prompt_tokens == one.usage.prompt_tokens
+    # A batch of prompts streamed: each choice the text and logprobs it has answered whole
+    # (up to a near-tie, as decodes shared with other requests differ by float noise).
+    prompts = ["1, 2, 3, 4,", "Monday, Tuesday,"]
+    whole = client.completions.create(
+        model="smol", prompt=prompts, max_tokens=5, temperature=0, logprobs=2
+    )
+    streamed: dict[int, Any] = {}
+    for piece in client.completions.create(
+        model="smol", prompt=prompts, max_tokens=5, temperature=0, logprobs=2, stream=True
+    ):
+        (part,) = piece.choices
+        got = streamed.setdefault(part.index, joined_choice())
+        got.text += part.text
+        if part.logprobs is not None:
+            got.logprobs.tokens += part.logprobs.tokens or []
+            got.logprobs.top_logprobs += part.logprobs.top_logprobs or []
+    assert sorted(streamed) == [0, 1]
+    for i, answered in enumerate(whole.choices):
+        assert_same_completion_or_near_tie(streamed[i], answered, SHARED_DECODE_NEAR_TIE_GAP)
+        if streamed[i].logprobs.tokens == answered.logprobs.tokens:  # type: ignore[union-attr]
+            assert streamed[i].text == answered.text
+
+
+def joined_choice() -> Any:
+    """A streamed completion choice put together from its chunks: its text and logprobs."""
+    return SimpleNamespace(text="", logprobs=SimpleNamespace(tokens=[], top_logprobs=[]))
 
 
 def test_penalties_and_logit_bias(

@@ -459,11 +459,12 @@ def test_echo_offsets_are_the_clients_text_where_the_tokenizer_adds_a_space(
         assert text[at:].startswith(token), (token, at, text)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 def test_a_request_of_several_choices_takes_a_slot_each_and_a_hang_up_frees_them_all(
-    server: Server,
+    server: Server, stream: bool
 ) -> None:
     before = server.metrics()
-    body = {"prompt": COUNTING, "max_tokens": 1500, "temperature": 0, "n": 3}
+    body = {"prompt": COUNTING, "max_tokens": 1500, "temperature": 0, "n": 3, "stream": stream}
     sock = raw_request(server, "/v1/completions", body)
     wait_for(
         "two running, one waiting",
@@ -472,17 +473,22 @@ def test_a_request_of_several_choices_takes_a_slot_each_and_a_hang_up_frees_them
             and server.metrics()["specdec:num_requests_running"] == 2
         ),
     )
+    if stream:  # a stream opens once every choice has a slot: nothing sent yet
+        sock.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
     sock.close()
     wait_idle(server, "all three stopped", seconds=10)
     key = 'specdec:requests_total{finish_reason="disconnect"}'
     assert server.metrics()[key] - before.get(key, 0) == 3
-    # One prompt of a batch cannot be served: its error answers at once, the other abandoned.
+    # One prompt of a batch cannot be served: its error answers at once (streamed too: before
+    # any event), the other abandoned.
     batch = {**body, "n": 1, "prompt": ["word " * 3000, COUNTING]}
     refused = httpx.post(server.url + "/v1/completions", json=batch, timeout=60)
     assert refused.status_code == 400 and "context" in refused.json()["error"]["message"]
+    key = 'specdec:requests_total{finish_reason="abandoned"}'
     wait_for(  # cut, not run to its 1,500 tokens
-        "the other abandoned",
-        lambda: server.metrics().get('specdec:requests_total{finish_reason="abandoned"}') == 1,
+        "the other abandoned", lambda: server.metrics().get(key, 0) - before.get(key, 0) == 1
     )
     too_many = httpx.post(
         server.url + "/v1/completions", json={**body, "n": 16}, timeout=30
