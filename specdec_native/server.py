@@ -477,7 +477,7 @@ async def _until_decided(runs: list[Run], request: Request, *, started: bool = F
         run.future.add_done_callback(functools.partial(ended, run))
     awaited: set[asyncio.Future[Any]] = {decided}
     if started:
-        awaited.add(asyncio.ensure_future(asyncio.gather(*(_settled(run) for run in runs))))
+        awaited.add(asyncio.ensure_future(_all_settled(runs)))
     gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait(awaited | {gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -495,14 +495,15 @@ async def _until_decided(runs: list[Run], request: Request, *, started: bool = F
     return False
 
 
-async def _settled(run: Run) -> None:
-    """Returns when the run has a slot or has ended."""
-    slot = asyncio.ensure_future(run.started.wait())
-    either: set[asyncio.Future[Any]] = {slot, run.future}
-    try:
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        slot.cancel()
+async def _all_settled(runs: list[Run]) -> None:
+    """Returns when each run has a slot or has ended."""
+    for run in runs:
+        slot = asyncio.ensure_future(run.started.wait())
+        either: set[asyncio.Future[Any]] = {slot, run.future}
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            slot.cancel()
 
 
 async def _disconnected(request: Request) -> None:
@@ -1134,7 +1135,7 @@ class Server:
                         self._chunk(run, None, None, {"role": "assistant", "content": ""})
                     )
             streams = {run: _ChoiceStream(run) for run in runs}
-            usages: list[dict[str, Any]] = []
+            usages: dict[Run, dict[str, Any]] = {}  # as each ends
             while len(usages) < len(runs):
                 run, piece = await runs[0].pieces.get()
                 stream = streams[run]
@@ -1151,11 +1152,11 @@ class Server:
                     return
                 for chunk in self._end_chunks(stream):
                     yield json.dumps(chunk)
-                usages.append(_usage(run.future.result()))
+                usages[run] = _usage(run.future.result())
             if runs[0].job.include_usage:
                 usage = self._chunk(runs[0], None, None)
                 usage["choices"] = []
-                usage["usage"] = _total_usage(usages, n)
+                usage["usage"] = _total_usage([usages[run] for run in runs], n)  # in order
                 yield json.dumps(usage)
             yield "[DONE]"
         finally:

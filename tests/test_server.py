@@ -1461,6 +1461,20 @@ def test_several_choices_streamed_each_by_its_index(client: openai.OpenAI) -> No
         assert_same_completion_or_near_tie(streamed[i], answered, SHARED_DECODE_NEAR_TIE_GAP)
         if streamed[i].logprobs.tokens == answered.logprobs.tokens:  # type: ignore[union-attr]
             assert streamed[i].text == answered.text
+    # Prompts of different lengths, two sampled choices each, ending in any order: each prompt
+    # counted once in the usage, as answered whole.
+    batch = ["Hi", "The quick brown fox jumps over the lazy dog and then the cat and then the"]
+    for seed in range(6):
+        usage = client.completions.create(
+            model="smol", prompt=batch, n=2, max_tokens=12, temperature=1.0, seed=seed
+        ).usage
+        *_, last = client.completions.create(
+            model="smol", prompt=batch, n=2, max_tokens=12, temperature=1.0, seed=seed,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        assert usage is not None and last.usage is not None
+        assert last.usage.prompt_tokens == usage.prompt_tokens
+        assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
 
 
 def joined_choice() -> Any:
