@@ -909,28 +909,33 @@ def test_tools_and_answers_from_nested_pydantic_models(tools_at: ToolServer) -> 
         assert isinstance(message.parsed, Plan)
 
 
-def _streamed(client: openai.OpenAI, **request: object) -> tuple[str, list[dict[str, str]], str]:
-    """A streamed chat's content, tool calls (accumulated from their deltas) and finish."""
-    content, finish = "", ""
-    calls: list[dict[str, str]] = []
+class StreamedChoice(NamedTuple):
+    content: str
+    calls: list[dict[str, str]]  # accumulated from their deltas
+    finish: str
+
+
+def _streamed(client: openai.OpenAI, **request: object) -> dict[int, StreamedChoice]:
+    """A streamed chat's choices by index: content, tool calls and finish."""
+    choices: dict[int, StreamedChoice] = {}
     for chunk in client.chat.completions.create(stream=True, **request):  # type: ignore[call-overload]
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for d in delta.tool_calls or []:
-            while len(calls) <= d.index:
-                calls.append({"id": "", "name": "", "arguments": ""})
-            calls[d.index]["id"] += d.id or ""
-            calls[d.index]["name"] += d.function.name or ""
-            calls[d.index]["arguments"] += d.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    return content, calls, finish
+        for part in chunk.choices:
+            content, calls, finish = choices.get(part.index, StreamedChoice("", [], ""))
+            for d in part.delta.tool_calls or []:
+                while len(calls) <= d.index:
+                    calls.append({"id": "", "name": "", "arguments": ""})
+                calls[d.index]["id"] += d.id or ""
+                calls[d.index]["name"] += d.function.name or ""
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            choices[part.index] = StreamedChoice(
+                content + (part.delta.content or ""), calls, part.finish_reason or finish
+            )
+    return choices
 
 
-@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+@pytest.mark.parametrize("tool_choice,n", [("required", 1), ("auto", 1), ("required", 2)])
 def test_streamed_tool_calls_are_the_same_as_unstreamed(
-    tools_at: ToolServer, tool_choice: str
+    tools_at: ToolServer, tool_choice: str, n: int
 ) -> None:
     client = tools_at.client
     request = {
@@ -941,15 +946,20 @@ def test_streamed_tool_calls_are_the_same_as_unstreamed(
         "parallel_tool_calls": False,
         "max_tokens": 100,
         "temperature": 0,
+        "n": n,
         "extra_body": GREEDY_TARGET_ONLY,
     }
-    whole = client.chat.completions.create(**request).choices[0]  # type: ignore[call-overload]
-    content, calls, finish = _streamed(client, **request)
-    assert finish == whole.finish_reason
-    assert content == (whole.message.content or "")
-    expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
-    assert [(c["name"], c["arguments"]) for c in calls] == expected
-    assert all(c["id"].startswith("call_") for c in calls)
+    whole = client.chat.completions.create(**request).choices  # type: ignore[call-overload]
+    streamed = _streamed(client, **request)
+    assert sorted(streamed) == list(range(n))
+    for answer, (content, calls, finish) in zip(whole, [streamed[i] for i in range(n)]):
+        assert finish == answer.finish_reason
+        assert content == (answer.message.content or "")
+        expected = [
+            (c.function.name, c.function.arguments) for c in answer.message.tool_calls or []
+        ]
+        assert [(c["name"], c["arguments"]) for c in calls] == expected
+        assert all(c["id"].startswith("call_") for c in calls)
 
 
 @pytest.mark.parametrize(
