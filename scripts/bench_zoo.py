@@ -112,13 +112,11 @@ def run_cell(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     rates: dict[str, list[float]] = {str(k): [] for k in configs}
-    gen_rates: dict[str, list[float]] = {str(k): [] for k in configs}
     counts: dict[str, list[dict[str, float]]] = {str(k): [] for k in configs}
     for r in range(args.rounds):
         for k in bench.rotated(configs, r):
             tokens, seconds, c = run_config(dec, prompts, streams, k, temp, args.n, SEED + 100 * r)
             rates[str(k)].append(tokens / seconds)
-            gen_rates[str(k)].append(c["n_decoded"] / c["t_generation"] if c["t_generation"] else 0)
             counts[str(k)].append(c)
             print(f"    round {r + 1} K={k}: {tokens / seconds:6.1f} tok/s", file=sys.stderr)
     fixed = [str(k) for k in configs if str(k) not in RATE_CHECK]
@@ -126,13 +124,12 @@ def run_cell(
     best_per_round = [max(rates[k][r] for k in fixed) for r in range(args.rounds)]
     median = {k: statistics.median(v) for k, v in rates.items()}
     best = max(fixed, key=lambda k: median[k])
-    return {
+    cell = {
         "streams": streams,
         "temperature": temp,
         "rates": rates,
         "counts": counts,
         "median": median,
-        "gen_median": {k: statistics.median(v) for k, v in gen_rates.items()},
         "best_fixed": best,
         "auto_over_best": statistics.median(a / b for a, b in zip(rates["auto"], best_per_round)),
         "auto_over_k0": statistics.median(a / b for a, b in zip(rates["auto"], rates["0"])),
@@ -141,6 +138,12 @@ def run_cell(
             a / b for a, b in zip(rates[variant], rates["auto"])
         ),
     }
+    if streams == 1:  # a request's decode time is the run's only when requests go one by one
+        cell["gen_median"] = {
+            k: statistics.median(c["n_decoded"] / c["t_generation"] for c in cs)
+            for k, cs in counts.items()
+        }
+    return cell
 
 
 def llama_cpp_cell(
