@@ -72,6 +72,10 @@ void bind_testing(py::module_ m) {
         "decodes", []() { return decodes_for_tests.load(); },
         "Test builds only: llama_decode calls the engines have made so far.");
     m.def(
+        "verdicts_without_logits", []() { return verdicts_without_logits_for_tests.load(); },
+        "Test builds only: drafted tokens accepted without reading the target's logits (those "
+        "the grammar allowed alone).");
+    m.def(
         "set_wrong_residual", [](bool on) { wrong_residual_for_tests.store(on); }, py::arg("on"),
         "While on, a rejected draft resamples from p instead of norm(max(0, p - q)): a wrong "
         "rule, for the distribution tests to show that they catch it.");

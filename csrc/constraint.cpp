@@ -262,8 +262,19 @@ void Constraint::check(int32_t status) {
 
 void Constraint::mask(float* logits) { mask(logits, n_vocab_); }
 
-bool Constraint::mask(float* logits, int n) {
+void Constraint::compute_mask() {
     check(api.matcher_compute_mask_into(matcher_, mask_.data(), mask_.size() * sizeof(uint32_t)));
+}
+
+bool Constraint::mask_allows_only(llama_token token) const {
+    const auto word = static_cast<size_t>(token) / 32;
+    for (size_t w = 0; w < mask_.size(); ++w)
+        if (mask_[w] != (w == word ? 1u << (static_cast<uint32_t>(token) % 32) : 0u)) return false;
+    return true;
+}
+
+bool Constraint::mask(float* logits, int n) {
+    compute_mask();
     constexpr float kForbidden = -std::numeric_limits<float>::infinity();
     const int n_known = std::min(n, n_vocab_);
     bool any = false;
@@ -304,6 +315,17 @@ void Constraint::forced_tokens(std::vector<llama_token>& out, size_t max) {
                                      matcher_, reinterpret_cast<uint32_t*>(out.data()), max);
     check(n);
     out.resize(static_cast<size_t>(n));
+}
+
+size_t Constraint::sole_prefix(const std::vector<llama_token>& tokens) {
+    size_t n = 0;
+    for (; n < tokens.size(); ++n) {
+        compute_mask();
+        if (!mask_allows_only(tokens[n])) break;
+        consume(tokens[n]);
+    }
+    rollback(n);
+    return n;
 }
 
 }  // namespace specdec

@@ -70,12 +70,17 @@ class Constraint {
     // Replaces `out` with the tokens the grammar forces from here (at most `max`; often none):
     // the canonical tokenization of the bytes it allows alone.
     void forced_tokens(std::vector<llama_token>& out, size_t max);
+    // How many of `tokens`, from the first, are each the only token the grammar allows at its
+    // place (none consumed in the end): their verdict is certain without the target's logits.
+    size_t sole_prefix(const std::vector<llama_token>& tokens);
 
   private:
     friend class ConstraintVocab;
     Constraint(void* matcher, int n_vocab);
     // Throws ConstraintError for a matcher in its error state, with its message.
     void check(int32_t status);
+    void compute_mask();
+    bool mask_allows_only(llama_token token) const;
     void* matcher_;  // LlgMatcher*
     int n_vocab_;
     std::vector<uint32_t> mask_;  // one bit per token, as llguidance writes it

@@ -22,6 +22,9 @@ struct Draft {
     std::vector<const Distribution*> q;
     // The first `forced` tokens are the grammar's (kGrammar), whatever `source` drafted after.
     int forced = 0;
+    // Of them, the first `certain` are each the only token the grammar allows at its place:
+    // accepted without the target's logits, whose rows then skip the output layer.
+    int certain = 0;
     // Sampling: the draft model drafted q's argmax, a point mass; q is kept to measure both
     // acceptance rules.
     bool point_mass = false;

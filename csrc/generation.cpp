@@ -12,6 +12,7 @@ namespace specdec {
 #ifdef SPECDEC_TEST_HOOKS
 std::atomic<bool> wrong_residual_for_tests{false};
 std::atomic<bool> stale_penalties_for_tests{false};
+std::atomic<long> verdicts_without_logits_for_tests{0};
 #endif
 
 const char* finish_reason_name(FinishReason reason) {
@@ -249,6 +250,7 @@ void Generation::forget_draft() {
     draft_.q.clear();
     draft_.point_mass = false;
     draft_.forced = 0;
+    draft_.certain = 0;
     draft_.caught_up = 0;
     draft_.t_catch_up = 0.0;
     draft_.non_finite = false;
@@ -269,6 +271,7 @@ bool Generation::draft_forced() {
     if (draft_.tokens.empty()) return false;
     draft_.source = DraftSource::kGrammar;
     draft_.forced = static_cast<int>(draft_.tokens.size());
+    draft_.certain = static_cast<int>(constraint_->sole_prefix(draft_.tokens));
     draft_.q.assign(draft_.tokens.size(), nullptr);
     t_draft_step_ = seconds_since(start);
     return true;
@@ -414,12 +417,19 @@ void Generation::keep_valid_draft() {
     if (draft_.q.size() > keep) draft_.q.resize(keep);
 }
 
+// Row i scores draft token i + 1: a certain one needs no logits unless logprobs are asked for.
 void Generation::add_verify_rows(Batch& batch) {
     base_ = seq_.size();
     first_row_ = batch.size();
-    batch.add(seq_.back(), static_cast<llama_pos>(base_ - 1), true, seq_id_);
-    for (size_t i = 0; i < draft_.tokens.size(); ++i)
-        batch.add(draft_.tokens[i], static_cast<llama_pos>(base_ + i), true, seq_id_);
+    const size_t k = draft_.tokens.size();
+    const size_t certain = req_.logprobs < 0 ? certain_drafted() : 0;
+    batch.add(seq_.back(), static_cast<llama_pos>(base_ - 1), certain == 0, seq_id_);
+    for (size_t i = 0; i < k; ++i)
+        batch.add(draft_.tokens[i], static_cast<llama_pos>(base_ + i), i + 1 >= certain, seq_id_);
+}
+
+size_t Generation::certain_drafted() const {
+    return std::min(static_cast<size_t>(draft_.certain), draft_.tokens.size());
 }
 
 // Row i of this sequence's rows scores the token after [.., last, d1..di]. Non-finite logits
@@ -454,10 +464,13 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
     step_tokens_.clear();
     step_margins_.clear();
     accept_chances_.clear();
+    const size_t certain = certain_drafted();
     size_t i = 0;
     for (; i < k; ++i) {
         const llama_token x = draft_.tokens[i];
-        const llama_token verdict = greedy() ? greedy_verdict(i) : sampled_verdict(i, x);
+        const llama_token verdict = i < certain ? certain_verdict(i, x)
+                                    : greedy()  ? greedy_verdict(i)
+                                                : sampled_verdict(i, x);
         step_tokens_.push_back(verdict);
         record_logprob(i, verdict);
         advance_constraint(verdict);
@@ -511,6 +524,18 @@ void Generation::accept(double t_verify, bool shared, bool with_prompt) {
     parts_.target.forget_from(seq_id_, accepted_end);
     if (draft_.source == DraftSource::kModel && k > 1)
         parts_.draft->forget_from(seq_id_, accepted_end);
+}
+
+// The only token the grammar allows: the target's masked law is a point mass on it, whatever
+// its logits (read only for logprobs), and no draw is taken.
+llama_token Generation::certain_verdict(size_t row, llama_token x) {
+    if (req_.logprobs >= 0) target_logits(row);  // masked in place for record_logprob
+#ifdef SPECDEC_TEST_HOOKS
+    else
+        ++verdicts_without_logits_for_tests;
+#endif
+    if (greedy()) step_margins_.push_back(std::numeric_limits<float>::infinity());
+    return x;
 }
 
 // Greedy: the target's argmax at row i (the draft token when they agree).

@@ -107,6 +107,8 @@ extern std::atomic<bool> wrong_residual_for_tests;
 // Test builds only: penalties count committed tokens alone, not the verdicts of the step so far
 // (the bug the penalty distribution test must catch).
 extern std::atomic<bool> stale_penalties_for_tests;
+// Test builds only: verdicts taken without reading the target's logits (certain forced tokens).
+extern std::atomic<long> verdicts_without_logits_for_tests;
 // Test builds only: treat decodes as a GPU's (each shape timed after two untimed decodes of it;
 // no recalibration after a request), and count the decodes made so far, so that a CPU test can
 // run and count what only a GPU would.
@@ -273,8 +275,11 @@ class Generation {
     // Adds n of this step's draft tokens, from the first, to `by` (per DraftSource): the
     // forced ones to the grammar, the rest to the draft's source.
     void count_by_source(int (&by)[4], int n) const;
-    // Appends [last, d1..dK] to the target's batch, logits on every row.
+    // Appends [last, d1..dK] to the target's batch, logits on every row but those scoring a
+    // certain forced token.
     void add_verify_rows(Batch& batch);
+    // The leading drafted tokens the grammar allows alone (the forced ones it left no choice).
+    size_t certain_drafted() const;
     // Reads this sequence's rows of the target decode: accepted prefix plus one token of the
     // target's, committed, the rest rolled back. `shared`: the decode held other sequences' rows
     // too, so its time is not this K's cost. `with_prompt`: the row rode in the prompt's last
@@ -324,6 +329,7 @@ class Generation {
     }
     bool repeat_penalized() const { return req_.repeat_penalty != 1.0f && req_.repeat_last_n != 0; }
     const Distribution& target_distribution(size_t row);
+    llama_token certain_verdict(size_t row, llama_token x);
     llama_token greedy_verdict(size_t row);
     llama_token sampled_verdict(size_t row, llama_token x);
     bool drafts_argmax() const;
