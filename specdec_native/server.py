@@ -57,7 +57,7 @@ from specdec_native.openai_api import (
     read_json,
     validated,
 )
-from specdec_native.tools import GENERIC, Streamed, ToolFormat
+from specdec_native.tools import GENERIC, Streamed, ToolCall, ToolFormat
 
 log = logging.getLogger("specdec.server")
 
@@ -403,6 +403,7 @@ class Run:
         self.pieces = pieces
         self.cut: str | None = None
         self.ended = arrived  # when the generation returned (set then)
+        self._answer: tuple[str, list[ToolCall]] | None = None
         loop = asyncio.get_running_loop()
 
         # On the worker thread: hand over to the event loop. A piece's logprobs come just
@@ -446,11 +447,18 @@ class Run:
         self.started.set()
         then()
 
+    def answer(
+        self, result: GenerationResult, streamed: str | None = None
+    ) -> tuple[str, list[ToolCall]]:
+        """A chat output with tools as (content, calls), read once (ToolFormat.output)."""
+        if self._answer is None:
+            assert self.job.tools is not None
+            self._answer = self.job.tools.output(result.text, streamed)
+        return self._answer
+
     def called_tools(self, result: GenerationResult) -> bool:
         """Whether the output is tool calls (answered with finish_reason "tool_calls")."""
-        return (
-            self.chat and self.job.tools is not None and bool(self.job.tools.output(result.text)[1])
-        )
+        return self.chat and self.job.tools is not None and bool(self.answer(result)[1])
 
     def cancel(self, why: str) -> None:
         if not self.future.done():
@@ -515,11 +523,11 @@ async def _disconnected(request: Request) -> None:
 # -- responses ---------------------------------------------------------------------------------
 
 
-def _answer_end(tools: ToolFormat, answer: Streamed, text: str) -> list[dict[str, Any]]:
-    """The deltas a streamed output with tools ends with: what of its content was not streamed
-    yet, then its tool calls."""
-    content, calls = tools.output(text, answer.streamed)
-    rest = content[len(answer.streamed) :]
+def _answer_end(answer: tuple[str, list[ToolCall]], streamed: str) -> list[dict[str, Any]]:
+    """The deltas a streamed output with tools, read as (content, calls), ends with: what of
+    its content was not `streamed` yet, then its tool calls."""
+    content, calls = answer
+    rest = content[len(streamed) :]
     deltas: list[dict[str, Any]] = [{"content": rest}] if rest else []
     return deltas + [{"tool_calls": [call.openai(i)]} for i, call in enumerate(calls)]
 
@@ -995,7 +1003,7 @@ class Server:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _finish_reason(result)}
         choice["logprobs"] = self._logprobs(run, result.logprobs)
         if run.chat and run.job.tools is not None:
-            content, calls = run.job.tools.output(result.text)
+            content, calls = run.answer(result)
             # No content beside calls is null, as OpenAI writes it.
             choice["message"] = {
                 "role": "assistant",
@@ -1182,9 +1190,9 @@ class Server:
         calls; then its finish reason, the logprobs not yet sent and its timings."""
         run, result = stream.run, stream.run.future.result()
         chunks, finish = [], _finish_reason(result)
-        tools = run.job.tools
-        if tools is not None and stream.answer is not None:
-            for delta in _answer_end(tools, stream.answer, result.text):
+        if run.job.tools is not None and stream.answer is not None:
+            streamed = stream.answer.streamed
+            for delta in _answer_end(run.answer(result, streamed), streamed):
                 finish = "tool_calls" if "tool_calls" in delta else finish
                 chunks.append(self._chunk(run, None, None, delta))
         last = self._chunk(run, None if run.chat else "", finish)

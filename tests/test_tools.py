@@ -403,7 +403,10 @@ def test_streamed_or_not_the_content_is_the_same(syntax: str, text: str, content
     for cut in range(len(text) + 1):
         reader = tools.streamed()
         streamed = "".join([*reader.feed(text[:cut]), *reader.feed(text[cut:])])
-        rest = "".join(d.get("content", "") for d in _answer_end(tools, reader, text))
+        rest = "".join(
+            d.get("content", "")
+            for d in _answer_end(tools.output(text, reader.streamed), reader.streamed)
+        )
         assert streamed + rest == content
 
 
@@ -436,7 +439,10 @@ def test_a_string_answer_under_a_response_format_is_json_streamed_or_not() -> No
     assert tools.output(text) == ('"hello"', [])
     reader = tools.streamed()
     streamed = "".join(reader.feed(text))
-    rest = "".join(d.get("content", "") for d in _answer_end(tools, reader, text))
+    rest = "".join(
+        d.get("content", "")
+        for d in _answer_end(tools.output(text, reader.streamed), reader.streamed)
+    )
     assert streamed + rest == '"hello"'
 
 
