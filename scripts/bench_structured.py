@@ -1,6 +1,7 @@
 """JSON-schema extraction: specdec against llama-server on the same pair, same machine, one run.
 
     .venv/bin/python scripts/bench_structured.py [--rounds 2] [-n 160] [--out FILE] [TARGET DRAFT]
+    .venv/bin/python scripts/bench_structured.py --ngram [...] TARGET
 
 The workload: 8 passages (invoices, events, people, products), each to be extracted into one of
 two schemas (nested objects, arrays of objects, enums, integers, booleans), greedy, up to -n
@@ -9,7 +10,9 @@ the grammar (K = 0), `auto` with drafts that know the grammar (its forced tokens
 draft model's q masked by it), `auto` with drafts that ignore it (cut at their first invalid
 token, as llama-server's; to measure what knowing it brings), and K = 3. llama-server runs the
 same requests (`json_schema`, its GBNF grammar) with the draft model (`-md`, its defaults: K = 3,
-p-min 0) and without it. Reported per configuration: generated tokens per
+p-min 0) and without it. With `--ngram` the target drafts alone (the grammar's forced tokens and
+n-gram copies, no draft model), and llama-server runs without a draft and with its n-gram types
+(`--spec-type ngram-mod`, `ngram-map-k`). Reported per configuration: generated tokens per
 second of generation time (prompt excluded: specdec's stats.t_generation, llama-server's
 timings.predicted_ms), summed over the prompts; each round runs every configuration once, in a
 rotated order; whether every output parsed and matched its schema. llama-server comes from
@@ -202,16 +205,25 @@ def main() -> None:
     ap = pair_parser(__doc__, rounds=2, n=160)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, help="write every round's numbers here (JSON)")
+    ap.add_argument(
+        "--ngram",
+        action="store_true",
+        help="the target alone with n-gram drafts (no draft model); llama-server's n-gram types",
+    )
     args = parse_pair(ap)
     tools = llama_cpp_tools()
     t = str(args.threads)
     base = [f"{tools}/llama-server", "-m", str(args.target), "-c", "2048", "-t", t, "-np", "1"]
-    with_draft = [*base, "-md", str(args.draft), "-td", t]
-    servers = {
-        "llama-server (no draft)": base,
-        "llama-server -md (K=3, its default)": with_draft,
-    }
-    dec = sd.SpeculativeDecoder(args.target, args.draft, n_ctx=2048, n_threads=args.threads)
+    servers = {"llama-server (no draft)": base}
+    if args.ngram:
+        args.draft = None
+        for kind in ("ngram-mod", "ngram-map-k"):
+            servers[f"llama-server --spec-type {kind}"] = [*base, "--spec-type", kind]
+    else:
+        servers["llama-server -md (K=3, its default)"] = [*base, "-md", str(args.draft), "-td", t]
+    dec = sd.SpeculativeDecoder(
+        args.target, args.draft, n_ctx=2048, n_threads=args.threads, ngram=args.ngram
+    )
     n = args.n
     runs: dict[str, Callable[[], list[Outcome]]] = {
         "specdec K=0 (target only)": lambda: specdec_run(dec, n, 0, True),
@@ -250,7 +262,8 @@ def report(args: Any, results: dict[str, list[list[Outcome]]]) -> None:
     }
     base = statistics.median(rates["specdec K=0 (target only)"])
     server = max(statistics.median(v) for k, v in rates.items() if k.startswith("llama-server"))
-    print(f"{args.target.name} + {args.draft.name}, {len(PASSAGES)} prompts, greedy, -n {args.n}")
+    drafts = "n-gram drafts" if args.draft is None else args.draft.name
+    print(f"{args.target.name} + {drafts}, {len(PASSAGES)} prompts, greedy, -n {args.n}")
     print("| configuration | tok/s (median of rounds) | vs specdec K=0 | vs best llama-server "
           "| valid outputs | tokens | target passes | rounds (tok/s) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

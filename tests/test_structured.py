@@ -94,27 +94,24 @@ def test_tokens_the_grammar_allows_alone_skip_the_targets_logits(
     logits (its row skips the output layer); logprobs still read them, and the text is the same
     either way: greedy as target-only, and sampled for one seed with or without logprobs."""
     before = testing.verdicts_without_logits()
-    base = deep.generate(PROMPT, 96, n_draft=0, json_schema=USER)
-    out = deep.generate(PROMPT, 96, n_draft=3, json_schema=USER)
+    base = deep.generate(PROMPT, 64, n_draft=0, json_schema=USER)
+    out = deep.generate(PROMPT, 64, n_draft=3, json_schema=USER)
     assert out.tokens == base.tokens
     skipped = testing.verdicts_without_logits() - before
     assert skipped == out.stats.accepted_by_grammar > 10
 
     before = testing.verdicts_without_logits()
-    read = deep.generate(PROMPT, 96, n_draft=3, json_schema=USER, logprobs=2)
+    read = deep.generate(PROMPT, 64, n_draft=3, json_schema=USER, logprobs=2)
     assert testing.verdicts_without_logits() == before
     assert read.tokens == base.tokens and read.logprobs is not None
     assert sum(lp.logprob == 0.0 for lp in read.logprobs) >= read.stats.accepted_by_grammar
 
-    for seed in (3, 4):
-        sampled = [
-            deep.generate(
-                PROMPT, 64, n_draft=3, json_schema=USER, temperature=0.8, seed=seed, logprobs=lp
-            )
-            for lp in (None, 1)
-        ]
-        assert sampled[0].tokens == sampled[1].tokens
-        assert sampled[0].stats.accepted_by_grammar > 10
+    sampled = [
+        deep.generate(PROMPT, 48, n_draft=3, json_schema=USER, temperature=0.8, seed=3, logprobs=lp)
+        for lp in (None, 1)
+    ]
+    assert sampled[0].tokens == sampled[1].tokens
+    assert sampled[0].stats.accepted_by_grammar > 10
 
 
 def test_drafts_that_know_the_grammar_need_fewer_target_passes(deep: sd.SpeculativeDecoder) -> None:
