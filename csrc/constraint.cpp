@@ -197,6 +197,9 @@ ConstraintVocab::ConstraintVocab(const Model& target)
     if (tokenizes_exactly(target)) {
         init.tokenize_fn = tokenize;
         init.tokenize_user_data = target.vocab();
+        // It reads text: bytes that end inside a character are not spelt back. llguidance then
+        // tokenizes the UTF-8 prefix with it and the rest itself.
+        init.tokenize_assumes_string = true;
     } else {
         init.use_approximate_greedy_tokenize_fn = true;
     }

@@ -307,6 +307,22 @@ def test_forced_tokens_drafted_keep_the_distribution(near_exact: sd.SpeculativeD
             assert p > 1e-3, f"{grammar[0]!r}: first {j} tokens differ from target-only (p={p:.2e})"
 
 
+def test_forced_text_beyond_ascii_is_written(deep: sd.SpeculativeDecoder) -> None:
+    """Forced bytes that end inside a character (the first bytes of "日" after "x: ") are not
+    UTF-8 on their own: llama.cpp's tokenizer cannot take them, and llguidance must not hand
+    them to it (a byte-level vocabulary, as SmolLM2's, then failed every such grammar)."""
+    city = {
+        "type": "object",
+        "properties": {"city": {"enum": ["São Paulo", "東京", "Zürich"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    for k in (0, 3):
+        assert deep.generate(PROMPT, 16, n_draft=k, regex="x: 日本語").text == "x: 日本語"
+        out = deep.generate(PROMPT, 24, n_draft=k, json_schema=city)
+        assert json.loads(out.text)["city"] in city["properties"]["city"]["enum"]  # type: ignore[index]
+
+
 def test_a_space_prefix_tokenizer_does_not_break_forced_bytes(near: sd.SpeculativeDecoder) -> None:
     """Llama's SentencePiece adds a space to what it tokenizes: llguidance must not be handed
     that tokenizer for forced bytes (it then refused tokens its own mask allowed)."""
