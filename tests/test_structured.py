@@ -96,14 +96,15 @@ def test_tokens_the_grammar_allows_alone_skip_the_targets_logits(
     before = testing.verdicts_without_logits()
     base = deep.generate(PROMPT, 64, n_draft=0, json_schema=USER)
     out = deep.generate(PROMPT, 64, n_draft=3, json_schema=USER)
-    assert out.tokens == base.tokens
+    assert_same_or_near_tie(out, base, BATCHED_NEAR_TIE_GAP)
     skipped = testing.verdicts_without_logits() - before
     assert skipped == out.stats.accepted_by_grammar > 10
 
     before = testing.verdicts_without_logits()
     read = deep.generate(PROMPT, 64, n_draft=3, json_schema=USER, logprobs=2)
     assert testing.verdicts_without_logits() == before
-    assert read.tokens == base.tokens and read.logprobs is not None
+    assert_same_or_near_tie(read, base, BATCHED_NEAR_TIE_GAP)
+    assert read.logprobs is not None
     assert sum(lp.logprob == 0.0 for lp in read.logprobs) >= read.stats.accepted_by_grammar
 
     sampled = [
