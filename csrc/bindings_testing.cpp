@@ -11,6 +11,7 @@
 
 #include "cost_curve.h"
 #include "generation.h"
+#include "ngram_index.h"
 #include "policy.h"
 #include "rate_check.h"
 #include "sampling.h"
@@ -154,6 +155,21 @@ void bind_testing(py::module_ m) {
             const RateCheck::View v = c.view(n);
             return py::make_tuple(v.speculating, v.plain, v.holding, v.last_hold);
         });
+
+    // The shared n-gram index alone: what it drafts after the outputs a test adds.
+    py::class_<SharedNgramIndex>(m, "SharedNgramIndex")
+        .def(py::init<int, int, size_t>(), py::arg("ngram_min"), py::arg("ngram_max"),
+             py::arg("budget_bytes"))
+        .def("add", &SharedNgramIndex::add, py::arg("prompt"), py::arg("output"))
+        .def(
+            "draft",
+            [](const SharedNgramIndex& index, const std::vector<llama_token>& text, int k) {
+                Draft draft;
+                index.propose(index.match(text), k, draft);
+                return draft.tokens;
+            },
+            py::arg("text"), py::arg("k"),
+            "What a copy from the index drafts after `text`, at most k tokens.");
 
     // The calibration's estimates from timed sweeps, exposed for unit tests.
     m.def(

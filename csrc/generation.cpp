@@ -199,7 +199,8 @@ bool Generation::choose_copy(int cap) {
     auto [best, best_rate] = best_copy(copy_, match_, cap);
     if (parts_.index) {
         const NgramMatch shared = parts_.index->match(seq_);
-        const auto [k, rate] = best_copy(parts_.index->copy_policy(), shared, cap);
+        const int steady = parts_.index->steady_length(shared, cap);
+        const auto [k, rate] = best_copy(parts_.index->copy_policy(), shared, steady);
         if (k > 0 && rate > best_rate) {
             best = k;
             best_rate = rate;

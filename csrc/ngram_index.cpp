@@ -49,7 +49,8 @@ SharedNgramIndex::SharedNgramIndex(int ngram_min, int ngram_max, size_t budget_b
 
 void SharedNgramIndex::clear() noexcept {
     std::vector<llama_token>().swap(tokens_);
-    for (auto& map : by_length_) std::unordered_map<uint64_t, uint32_t>().swap(map);
+    for (auto& map : by_length_) ContextMap().swap(map);
+    ContextMap().swap(places_);
     copy_ = CopyPolicy();
 }
 
@@ -57,6 +58,7 @@ size_t SharedNgramIndex::bytes() const {
     size_t total = tokens_.capacity() * sizeof(llama_token);
     for (const auto& map : by_length_)
         total += map.size() * kEntryBytes + map.bucket_count() * kBucketBytes;
+    total += places_.size() * kEntryBytes + places_.bucket_count() * kBucketBytes;
     return total;
 }
 
@@ -84,6 +86,17 @@ void SharedNgramIndex::fit_budget() {
     }
 }
 
+void SharedNgramIndex::record(ContextMap& map, uint64_t key, const std::vector<llama_token>& tokens,
+                              size_t p) {
+    const auto [it, added] = map.try_emplace(key);
+    Continuation& c = it->second;
+    if (added || c.seen < std::numeric_limits<uint16_t>::max()) {
+        c.changes += !added && tokens[c.at] != tokens[p];
+        ++c.seen;
+    }
+    c.at = static_cast<uint32_t>(p);
+}
+
 // Position p continues the n-gram tokens_[p-n, p) of its own output; later positions overwrite
 // earlier ones, so a lookup finds the most recent occurrence. `begin` starts an output.
 void SharedNgramIndex::index_from(size_t begin) {
@@ -95,9 +108,11 @@ void SharedNgramIndex::index_from(size_t begin) {
         }
         for (int n = ngram_min_; n <= ngram_max_ && output_start + static_cast<size_t>(n) <= p;
              ++n) {
-            by_length_[static_cast<size_t>(n - ngram_min_)][hash_tokens(&tokens_[p - n], n)] =
-                static_cast<uint32_t>(p);
+            auto& map = by_length_[static_cast<size_t>(n - ngram_min_)];
+            record(map, hash_tokens(&tokens_[p - n], n), tokens_, p);
         }
+        if (output_start + kPlaceTokens <= p)
+            record(places_, hash_tokens(&tokens_[p - kPlaceTokens], kPlaceTokens), tokens_, p);
     }
 }
 
@@ -109,7 +124,8 @@ void SharedNgramIndex::forget_older_half() {
     const bool whole = boundary != tokens_.end() && boundary + 1 != tokens_.end();
     tokens_.erase(tokens_.begin(), whole ? boundary + 1 : half);
     tokens_.shrink_to_fit();
-    for (auto& map : by_length_) std::unordered_map<uint64_t, uint32_t>().swap(map);
+    for (auto& map : by_length_) ContextMap().swap(map);
+    ContextMap().swap(places_);
     index_from(0);
 }
 
@@ -189,9 +205,9 @@ void SharedNgramIndex::load(const std::string& path, VocabKey vocab) {
     }
     // Only the newest tokens that could fit the budget are read, before any map is built (a
     // file saved under a larger budget, or a crafted one, must not cost more memory than that):
-    // each token costs its own bytes and an entry and a bucket in every n-gram length's map.
+    // each token costs its own bytes and an entry and a bucket in every context's map.
     const uint64_t most =
-        budget_ / (sizeof(llama_token) + by_length_.size() * (kEntryBytes + kBucketBytes));
+        budget_ / (sizeof(llama_token) + (by_length_.size() + 1) * (kEntryBytes + kBucketBytes));
     const uint64_t skipped = h.n_tokens > most ? h.n_tokens - most : 0;
     in.seekg(static_cast<std::streamoff>(skipped * sizeof(llama_token)), std::ios::cur);
     std::vector<llama_token> tokens;
@@ -229,12 +245,44 @@ NgramMatch SharedNgramIndex::match(const std::vector<llama_token>& text) const {
         const auto& map = by_length_[static_cast<size_t>(n - ngram_min_)];
         const auto it = map.find(hash_tokens(&text[static_cast<size_t>(end - n)], n));
         if (it == map.end()) continue;
-        const long p = it->second;
+        const long p = it->second.at;
         // A hash collision must not become a draft.
         if (!std::equal(text.end() - n, text.end(), tokens_.begin() + p - n)) continue;
         return {p, matched_length(tokens_.data(), p, text.data(), end, n)};
     }
     return {};
+}
+
+const SharedNgramIndex::Continuation* SharedNgramIndex::context_before(const ContextMap& map,
+                                                                       size_t p, int n) const {
+    if (p < static_cast<size_t>(n)) return nullptr;
+    const auto context = tokens_.begin() + static_cast<long>(p) - n;
+    if (std::find(context, context + n, kBoundary) != context + n) return nullptr;
+    const auto it = map.find(hash_tokens(&*context, n));
+    if (it == map.end()) return nullptr;
+    const auto latest = tokens_.begin() + static_cast<long>(it->second.at) - n;
+    return std::equal(context, context + n, latest) ? &it->second : nullptr;
+}
+
+// The deepest context whose record the index keeps: the place's once the match reaches it,
+// else the longest key the match covers.
+bool SharedNgramIndex::steady_at(size_t p, int matched) const {
+    const Continuation* c =
+        matched >= kPlaceTokens ? context_before(places_, p, kPlaceTokens) : nullptr;
+    const int n = std::min(matched, ngram_max_);
+    if (!c && n >= ngram_min_)
+        c = context_before(by_length_[static_cast<size_t>(n - ngram_min_)], p, n);
+    if (!c) return true;
+    return tokens_[c->at] == tokens_[p] && 2 * c->changes <= c->seen - 1;
+}
+
+int SharedNgramIndex::steady_length(NgramMatch m, int k) const {
+    if (!m.found()) return 0;
+    int n = 0;
+    for (auto p = static_cast<size_t>(m.from);
+         n < k && p < tokens_.size() && tokens_[p] != kBoundary && steady_at(p, m.length + n); ++p)
+        ++n;
+    return n;
 }
 
 void SharedNgramIndex::propose(NgramMatch m, int k, Draft& out) const {
@@ -243,11 +291,9 @@ void SharedNgramIndex::propose(NgramMatch m, int k, Draft& out) const {
     out.source = DraftSource::kIndex;
     out.caught_up = 0;
     out.t_catch_up = 0.0;
-    if (!m.found()) return;
-    for (size_t p = static_cast<size_t>(m.from);
-         p < tokens_.size() && tokens_[p] != kBoundary && static_cast<int>(out.tokens.size()) < k;
-         ++p) {
-        out.tokens.push_back(tokens_[p]);
+    const int n = steady_length(m, k);
+    for (int j = 0; j < n; ++j) {
+        out.tokens.push_back(tokens_[static_cast<size_t>(m.from + j)]);
         out.q.push_back(nullptr);
     }
 }

@@ -38,8 +38,15 @@ class SharedNgramIndex {
     // The most recent earlier output that continues `text`'s last tokens (longest key first);
     // `from` indexes the index's own tokens.
     NgramMatch match(const std::vector<llama_token>& text) const;
-    // Up to k point-mass drafts continuing `m` (fewer where that output ended).
+    // Up to k point-mass drafts continuing `m`: fewer where that output ended, or where a
+    // token's context has not kept its continuation (steady_length).
     void propose(NgramMatch m, int k, Draft& out) const;
+    // How many of the tokens continuing `m` (at most k) a copy takes: it stops where that output
+    // ended and before a token whose context, at the depth the match reaches, went on
+    // differently from one occurrence to the next more often than not, or went on otherwise at
+    // its latest occurrence (a tool call's argument after its fixed shell; a line an edit loop
+    // keeps changing). Where a context occurred once there is no such evidence.
+    int steady_length(NgramMatch m, int k) const;
 
     // What the index's drafts were accepted at, by match length, over every request: one
     // request says little, and agent loops send many short ones.
@@ -58,6 +65,23 @@ class SharedNgramIndex {
   private:
     // Separates outputs, so that no match or draft runs from one into the next.
     static constexpr llama_token kBoundary = -1;
+    // A match this long names a place in a text, not a phrase that recurs in many places: its
+    // continuation's record is kept under a context of this many tokens (besides the keys').
+    static constexpr int kPlaceTokens = 16;
+
+    // What followed a context: where its latest occurrence's continuation is, and how steady
+    // the continuation has been from one occurrence to the next.
+    struct Continuation {
+        uint32_t at = 0;
+        uint16_t seen = 0;     // occurrences (counting stops at the type's maximum)
+        uint16_t changes = 0;  // occurrences followed by another token than the one before
+    };
+    using ContextMap = std::unordered_map<uint64_t, Continuation>;
+    static void record(ContextMap& map, uint64_t key, const std::vector<llama_token>& tokens,
+                       size_t p);
+    // The record of the `n` tokens before tokens_[p] (null: none, or another context's).
+    const Continuation* context_before(const ContextMap& map, size_t p, int n) const;
+    bool steady_at(size_t p, int matched) const;
     void index_from(size_t begin);
     bool write_file(int fd, VocabKey vocab) const;  // closes fd
     void forget_older_half();
@@ -67,8 +91,9 @@ class SharedNgramIndex {
     int ngram_max_;
     size_t budget_;
     std::vector<llama_token> tokens_;  // outputs (each after its prompt's tail), kBoundary after
-    // by_length_[n - ngram_min_]: hash of an n-gram -> index of the token that followed it
-    std::vector<std::unordered_map<uint64_t, uint32_t>> by_length_;
+    // by_length_[n - ngram_min_]: hash of an n-gram -> what followed it
+    std::vector<ContextMap> by_length_;
+    ContextMap places_;  // hash of kPlaceTokens tokens -> what followed them
     CopyPolicy copy_;
 };
 

