@@ -205,7 +205,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
                 // A piece's logprobs first: a caller pairs them with the text that follows.
                 if (!on_logprobs.is_none() && !logprobs.empty())
                     on_logprobs(logprob_tuples(logprobs));
-                if (!on_text.is_none()) on_text(to_str(text));
+                if (!on_text.is_none() && !text.empty()) on_text(to_str(text));
             });
         };
     StartCallback start_cb;

@@ -305,7 +305,8 @@ GenerationResult Engine::serve_caller(RequestChannel& channel, const TextCallbac
             lock.lock();
             continue;
         }
-        if (!channel.text.empty()) {
+        // At the end, logprobs without text too (a last token with an empty piece).
+        if (!channel.text.empty() || (channel.done && !channel.logprobs.empty())) {
             std::string piece;
             std::vector<TokenLogprob> logprobs;
             piece.swap(channel.text);

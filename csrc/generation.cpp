@@ -600,9 +600,10 @@ int Generation::commit(size_t j) {
     seq_.push_back(token);
     result_.tokens.push_back(token);
     if (greedy()) result_.margins.push_back(step_margins_[j]);
-    const TokenLogprob* logprob = nullptr;
-    if (req_.logprobs >= 0) logprob = &result_.logprobs.emplace_back(step_logprobs_[j]);
-    emit(text_.push(parts_.target.token_piece(token)), logprob);
+    const std::string piece = parts_.target.token_piece(token);
+    if (req_.logprobs >= 0) held_logprobs_.emplace_back(bytes_in_, step_logprobs_[j]);
+    bytes_in_ += piece.size();
+    emit(text_.push(piece));
     if (text_.stopped()) {
         finish(FinishReason::kStop);
     } else if (static_cast<int>(result_.tokens.size()) >= req_.max_tokens) {
@@ -613,12 +614,22 @@ int Generation::commit(size_t j) {
 
 // The caller is woken once per step (hand_over_text), not per token: each wake-up is a thread
 // switch (and, from Python, a GIL hand-over) on cores the decode needs.
-void Generation::emit(const std::string& text, const TokenLogprob* logprob) {
-    if (text.empty() && !logprob) return;
+// A token's logprob goes out with the first of its text (at the `last` text, every one left,
+// unless a stop string dropped their text).
+void Generation::emit(const std::string& text, bool last) {
+    bytes_out_ += text.size();
+    const bool all = last && !text_.stopped();
+    if (last && text_.stopped() && !held_logprobs_.empty())
+        result_.stop_logprob.assign(1, held_logprobs_.front().second);
+    if (text.empty() && !all) return;
     result_.text += text;
     std::lock_guard<std::mutex> lock(channel_->mutex);
     channel_->text += text;
-    if (logprob) channel_->logprobs.push_back(*logprob);
+    while (!held_logprobs_.empty() && (all || held_logprobs_.front().first < bytes_out_)) {
+        result_.logprobs.push_back(held_logprobs_.front().second);
+        channel_->logprobs.push_back(std::move(held_logprobs_.front().second));
+        held_logprobs_.pop_front();
+    }
     if (!text.empty()) text_waiting_ = true;
 }
 
@@ -628,7 +639,7 @@ void Generation::hand_over_text() {
 }
 
 void Generation::publish(std::exception_ptr error) {
-    if (!error) emit(text_.flush());
+    if (!error) emit(text_.flush(), true);
     result_.stats.n_generated = static_cast<int>(result_.tokens.size());
     result_.stats.t_total = seconds_since(admitted_);
     {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <limits>
 #include <memory>
@@ -131,8 +132,9 @@ struct GenerationResult {
     // otherwise), so that an output that stops where another goes on can be judged a near-tie.
     float stop_margin = std::numeric_limits<float>::quiet_NaN();
     std::vector<TokenLogprob> logprobs;  // per token, when the request asked for them
-    // Ended by an end-of-generation token, with logprobs asked for: that token's (one entry; a
-    // scorer reading the prompt's logprobs and the next token's wants it).
+    // With logprobs asked for, ended by an end-of-generation token: that token's; by a stop
+    // string: its first token's, whose text was cut (one entry; a scorer reading the prompt's
+    // logprobs and the next token's wants it).
     std::vector<TokenLogprob> stop_logprob;
     // Per prompt token after the first, when the request asked for them (prompt_logprobs).
     std::vector<TokenLogprob> prompt_logprobs;
@@ -337,7 +339,7 @@ class Generation {
     void record_logprob(size_t row, llama_token verdict);
     void score_prompt_rows();
     int commit(size_t j);
-    void emit(const std::string& text, const TokenLogprob* logprob = nullptr);
+    void emit(const std::string& text, bool last = false);
     void hand_over_text();
 
     EngineParts parts_;
@@ -385,7 +387,13 @@ class Generation {
     std::vector<llama_token> step_tokens_;  // this step's verdicts: accepted drafts + one more
     std::vector<float> step_margins_;
     std::vector<TokenLogprob> step_logprobs_;  // when asked for: each verdict's
-    std::vector<double> accept_chances_;       // sampling: each verdict's chance of acceptance
+    // Committed tokens' logprobs, each with the offset of its token's first byte, until some of
+    // its text goes out (text_ holds back a stop string's possible start): those of a stop
+    // string's tokens never go out, as their text does not.
+    std::deque<std::pair<size_t, TokenLogprob>> held_logprobs_;
+    size_t bytes_in_ = 0;                 // bytes of the committed tokens, into text_
+    size_t bytes_out_ = 0;                // bytes of text out of it
+    std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
     // Sampling with a draft model: over the positions verified, the summed chances of
     // acceptance of a sampled draft (sum min(p, q)) and of q's argmax (p(argmax q)).
     double chance_sampled_ = 0.0;

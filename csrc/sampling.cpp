@@ -104,8 +104,9 @@ void validate(const SamplingParams& p) {
         throw std::invalid_argument("temperature must be a finite number >= 0, got " +
                                     std::to_string(p.temperature));
     if (p.top_k < 0) throw std::invalid_argument("top_k must be >= 0 (0 disables it)");
-    if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
-        throw std::invalid_argument("top_p must be in (0, 1], got " + std::to_string(p.top_p));
+    // 0 keeps the most likely token alone, as in llama.cpp and OpenAI's API.
+    if (!(p.top_p >= 0.0f && p.top_p <= 1.0f))
+        throw std::invalid_argument("top_p must be in [0, 1], got " + std::to_string(p.top_p));
     if (!(p.min_p >= 0.0f && p.min_p <= 1.0f))
         throw std::invalid_argument("min_p must be in [0, 1], got " + std::to_string(p.min_p));
 }

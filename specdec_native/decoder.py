@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, SupportsFloat, SupportsIndex, Union
 
 from specdec_native import _core, calibration
-from specdec_native.tools import GENERIC, ToolSyntax, template_syntax
+from specdec_native.tools import COMPACT_JSON, GENERIC, ToolSyntax, template_syntax
 
 PathLike = Union[str, "os.PathLike[str]"]
 MAX_DRAFT: int = _core.MAX_DRAFT  # the longest draft a step may verify
@@ -218,7 +218,8 @@ class GenerationResult:
     # When asked for (prompt_logprobs=n): the same for each prompt token but the first. A
     # generation cut short while it read its prompt (a timeout, a cancel) has fewer.
     prompt_logprobs: list[TokenLogprob] | None = None
-    # With logprobs, ended by an end-of-generation token: that token's (it is not in tokens).
+    # With logprobs, ended by an end-of-generation token: that token's (it is not in tokens);
+    # ended by a stop string: its first token's (the tokens of the text it cut have none).
     stop_logprob: TokenLogprob | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -232,7 +233,7 @@ class GenerationResult:
 
 # Argument checks: here, what this layer needs to hand a value over (a type, a size the engine's
 # 32-bit fields hold, what None and "auto" stand for); in the engine, what a value must be to
-# mean something (max_tokens >= 1, top_p in (0, 1], ...), once for every caller.
+# mean something (max_tokens >= 1, top_p in [0, 1], ...), once for every caller.
 
 
 def _check_int(name: str, value: Any, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
@@ -674,12 +675,6 @@ def constraint_of(
     if kind == "json_schema" and isinstance(value, (dict, bool)):
         return ("json_schema", json.dumps(value))
     return (kind, value)
-
-
-# JSON under a schema is written compactly unless the schema says otherwise (its own
-# "x-guidance"): one space after ':' and ',', no newlines. Keys and punctuation are then forced,
-# so they are drafted for free, and no token goes to whitespace a small model may loop on.
-COMPACT_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 def _check_constraint(kind: Any, text: Any) -> tuple[str, str]:

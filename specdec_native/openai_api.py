@@ -20,7 +20,18 @@ from pydantic import (
     model_validator,
 )
 
-from .tools import GENERIC, ToolCall, ToolError, ToolFormat, ToolSyntax, tool_format
+from .tools import (
+    COMPACT_JSON,
+    GENERIC,
+    LENIENT_JSON,
+    ToolCall,
+    ToolError,
+    ToolFormat,
+    ToolSyntax,
+    check_schema,
+    tool_format,
+    with_json_options,
+)
 from .tools import Message as ToolMessage
 
 MAX_BODY_BYTES = 4 << 20
@@ -109,7 +120,11 @@ class JsonSchemaFormat(_Body):
     name: Optional[str] = Field(None, max_length=256)
     description: Optional[str] = None
     json_schema: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
-    strict: Optional[bool] = Field(None, description="always enforced")
+    strict: Optional[bool] = Field(
+        None,
+        description="true: a schema keyword that cannot be enforced is a 400 (uniqueItems, not, "
+        "if, contains, ...); otherwise such keywords are ignored and the rest enforced",
+    )
 
 
 class ResponseFormat(_Body):
@@ -125,7 +140,11 @@ class FunctionDefinition(_Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of an object")
-    strict: Optional[bool] = Field(None, description="always enforced")
+    strict: Optional[bool] = Field(
+        None,
+        description="true: a schema keyword that cannot be enforced is a 400 (uniqueItems, not, "
+        "if, contains, ...); otherwise such keywords are ignored and the rest enforced",
+    )
 
     @field_validator("parameters")
     @classmethod
@@ -173,7 +192,7 @@ class _Generation(_Body):
     temperature: Optional[float] = Field(
         None, ge=0.0, le=100.0, description="default: the server's (1 unless serve --temp)"
     )
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=0, le=MAX_INT)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     seed: Optional[int] = Field(
@@ -263,6 +282,8 @@ class _Generation(_Body):
         may be called."""
         try:
             answer = self._response_schema
+            if self._strict_response:
+                check_schema(answer, "response_format", strict=True)
             return tool_format(
                 self.tools, self.tool_choice, self.parallel_tool_calls, answer, syntax, tag_tokens
             )
@@ -289,7 +310,21 @@ class _Generation(_Body):
         schema = self._response_schema
         if schema is None:
             return None
-        return ("json_object", "") if schema == _ANY_OBJECT else ("json_schema", json.dumps(schema))
+        if schema == _ANY_OBJECT:
+            return ("json_object", "")
+        if self._strict_response:
+            try:
+                check_schema(schema, "response_format", strict=True)
+            except ToolError as e:
+                raise BodyError(str(e), "response_format") from None
+        options = COMPACT_JSON if self._strict_response else LENIENT_JSON
+        return ("json_schema", json.dumps(with_json_options(schema, options)))
+
+    @property
+    def _strict_response(self) -> bool:
+        """Whether the answer's schema was sent as strict (response_format's json_schema)."""
+        fmt = self.response_format
+        return fmt is not None and fmt.json_schema is not None and fmt.json_schema.strict is True
 
     @property
     def _response_schema(self) -> dict[str, Any] | bool | None:
@@ -387,6 +422,20 @@ class Message(_Body):
             return self.content
         # Text parts are lines, as llama-server and vLLM join them.
         return "\n".join(part.text or "" for part in self.content)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_the_functions_api(cls, data: Any) -> Any:
+        # OpenAI's older functions API: its messages would read as calls without their call.
+        older = isinstance(data, dict) and (
+            data.get("function_call") is not None or data.get("role") == "function"
+        )
+        if older:
+            raise ValueError(
+                "'function_call' and the 'function' role (the older functions API) are not "
+                "taken: send 'tool_calls' and 'tool' messages"
+            )
+        return data
 
     @model_validator(mode="after")
     def _has_content(self) -> Message:

@@ -396,6 +396,7 @@ class Run:
     ) -> None:
         self.job, self.rid, self.chat, self.arrived = job, rid, chat, arrived
         self.index = index  # its choice's, in a request of several
+        self.created = int(time.time())  # every chunk and answer of the request carries it
         self.flag = _core.CancelFlag()
         self.started = asyncio.Event()  # the engine gave it a slot: every check passed
         # Text as committed, with its tokens' logprobs when asked for; None: no more. One queue
@@ -901,10 +902,12 @@ class Server:
         assert self.decoder is not None
         runs: list[Run] = []
         pieces: Pieces = asyncio.Queue()
+        created = int(time.time())
         try:
             for i, job in enumerate(jobs):
                 index = i if len(jobs) > 1 else None
                 run = Run(self.decoder, job, rid, chat, arrived, self._update_gauges, pieces, index)
+                run.created = created
                 self.runs.add(run)
                 run.future.add_done_callback(functools.partial(self._ended_future, run))
                 runs.append(run)
@@ -1026,7 +1029,7 @@ class Server:
         return {
             "id": run.rid,
             "object": "chat.completion" if run.chat else "text_completion",
-            "created": int(time.time()),
+            "created": run.created,
             "model": self.settings.model_alias,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice],
@@ -1091,7 +1094,7 @@ class Server:
         chunk: dict[str, Any] = {
             "id": run.rid,
             "object": "chat.completion.chunk" if run.chat else "text_completion",
-            "created": int(time.time()),
+            "created": run.created,
             "model": self.settings.model_alias,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice],
@@ -1230,7 +1233,7 @@ def _scored_whole(job: Job, result: GenerationResult) -> bool:
     if result.prompt_logprobs is None:
         return True  # no logprobs asked for: the text alone
     whole = len(result.prompt_logprobs) == len(result.prompt_tokens) - 1
-    after = job.scores_only or bool(result.tokens) or result.stop_logprob is not None
+    after = job.scores_only or bool(result.logprobs) or result.stop_logprob is not None
     return whole and after
 
 

@@ -41,6 +41,7 @@ calls; a named function: calls of it).
 from __future__ import annotations
 
 import decimal
+import functools
 import hashlib
 import json
 import re
@@ -53,10 +54,52 @@ MAX_TOOLS = 128
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 _NINE = re.compile(r"[A-Za-z0-9]{9}")
+# JSON under a schema is written compactly unless the schema says otherwise (its own
+# "x-guidance"): one space after ':' and ',', no newlines. Keys and punctuation are then forced,
+# so they are drafted for free, and no token goes to whitespace a small model may loop on.
+COMPACT_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+# The same for a schema a client did not send as strict: keywords llguidance cannot enforce
+# (uniqueItems, not, if, contains, ...) are left out of the grammar, as llama-server leaves
+# them out of its own, where strict they are refused (OpenAI refuses them too).
+LENIENT_JSON = {**COMPACT_JSON, "lenient": True}
 
 
 class ToolError(ValueError):
     """Tools, a tool choice or a conversation that cannot be used: the message names it."""
+
+
+def with_json_options(schema: Any, options: dict[str, Any]) -> Any:
+    """`schema` with `options` as its "x-guidance", unless it has its own."""
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        return {**schema, "x-guidance": options}
+    return schema
+
+
+def check_schema(schema: Any, where: str, strict: bool, what: str = "") -> None:
+    """A ToolError naming `where` (and `what` it is) for a schema llguidance refuses; `strict`,
+    also for one with keywords it cannot enforce."""
+    if not isinstance(schema, dict):  # true or false: the engine says what false means
+        return
+    options = COMPACT_JSON if strict else LENIENT_JSON
+    try:
+        why = _refusal(json.dumps(with_json_options(schema, options), sort_keys=True))
+    except RecursionError:
+        raise ToolError(f"{where}: the schema is nested too deeply") from None
+    if why:
+        if strict and "Unimplemented" in why:
+            why += ' (sent without "strict": true, such keywords are not enforced)'
+        raise ToolError(f"{where}: {what + ': ' if what else ''}{why}")
+
+
+@functools.lru_cache(maxsize=256)
+def _refusal(schema: str) -> str:
+    """Why llguidance refuses a JSON schema ("" if it does not). Cached: agents send the same
+    tools with every request."""
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_json_schema(schema)
+    refused, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return "; ".join(messages) if refused else ""
 
 
 def _call_id() -> str:
@@ -277,7 +320,8 @@ def _tagged_grammar(fmt: ToolFormat, tag: str, body: str, separator: str | None)
     if fmt.choice != "auto":
         return "\n".join(["start: calls", *lines])
     if fmt.response_schema is not None:
-        return "\n".join([f"start: calls | %json {json.dumps(fmt.response_schema)}", *lines])
+        answer = json.dumps(with_json_options(fmt.response_schema, LENIENT_JSON))
+        return "\n".join([f"start: calls | %json {answer}", *lines])
     # A "/" would end Lark's regex.
     escaped = re.escape(tag).replace("/", "\\/")
     lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{escaped}(.|\\n)*/")
@@ -375,7 +419,8 @@ class ToolFormat:
             answer = self.response_schema
             answer = {"type": "string"} if answer is None else _embedded(answer, "response", defs)
             out = {"anyOf": [out, _object({"response": answer})]}
-        return {**out, "$defs": defs} if defs else out
+        out = {**out, "$defs": defs} if defs else out
+        return {**out, "x-guidance": LENIENT_JSON}  # strict schemas were checked alone
 
     def json_calls(
         self, arguments: str, with_id: bool = False, array: bool = False
@@ -392,11 +437,7 @@ class ToolFormat:
                 out["maxItems"] = 1
         if defs:
             out = {**out, "$defs": defs}
-        out["x-guidance"] = {
-            "whitespace_flexible": False,
-            "item_separator": ", ",
-            "key_separator": ": ",
-        }
+        out["x-guidance"] = LENIENT_JSON  # strict tools were checked alone (tool_format)
         return out
 
     def template_tools(self) -> list[dict[str, Any]]:
@@ -550,12 +591,12 @@ def tool_format(
     """The format a request's `tools` and `tool_choice` ask for, calls written in `syntax`
     (`tag_tokens`: its tags that are special tokens, with their ids); None where no tool may
     be called (no tools, or tool_choice "none")."""
-    functions = [_function(t) for t in tools or []]
+    if len(tools or []) > MAX_TOOLS:
+        raise ToolError(f"tools: at most {MAX_TOOLS} tools, got {len(tools or [])}")
+    functions = [_function(t, i) for i, t in enumerate(tools or [])]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise ToolError("tools: two tools have the same name")
-    if len(functions) > MAX_TOOLS:
-        raise ToolError(f"tools: at most {MAX_TOOLS} tools, got {len(functions)}")
     choice = _choice(tool_choice, bool(functions))
     if choice == "none" or not functions:
         return None
@@ -565,11 +606,13 @@ def tool_format(
     return ToolFormat(functions, choice, parallel, response_schema, syntax, dict(tag_tokens or {}))
 
 
-def _function(tool: Any) -> dict[str, Any]:
+def _function(tool: Any, i: int) -> dict[str, Any]:
     function = tool.function
     parameters = function.parameters
     if parameters is None or parameters == {}:
         parameters = {"type": "object"}
+    where, strict = f"tools[{i}].function.parameters", function.strict is True
+    check_schema(parameters, where, strict, f"the schema of {function.name}")
     out = {"name": function.name}  # in OpenAI's order, as templates show them
     if function.description:
         out["description"] = function.description

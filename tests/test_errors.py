@@ -59,7 +59,7 @@ def test_vocab_mismatch(smollm2: Path, tiny_pair: models.ModelPair) -> None:
         {"temperature": -0.1},
         {"temperature": float("nan")},
         {"temperature": float("inf")},
-        {"top_p": 0.0},
+        {"top_p": -0.01},
         {"top_p": 1.01},
         {"top_k": -1},
         {"min_p": -0.5},

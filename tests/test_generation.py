@@ -60,7 +60,9 @@ def test_transforms_shape_the_first_token(deep_decoder: sd.SpeculativeDecoder) -
     assert len(set(firsts)) > 1
 
 
-@pytest.mark.parametrize("transform", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+@pytest.mark.parametrize(
+    "transform", [{"top_k": 1}, {"top_p": 1e-6}, {"top_p": 0.0}, {"min_p": 1.0}]
+)
 def test_a_transform_that_keeps_only_the_best_token_samples_greedily(
     tiny_decoder: sd.SpeculativeDecoder, transform: dict[str, Any]
 ) -> None:

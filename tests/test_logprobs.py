@@ -87,6 +87,25 @@ def test_streamed_logprobs_come_with_their_text(deep_decoder: sd.SpeculativeDeco
     assert events[-1][0] == "text"
 
 
+def test_a_stop_strings_tokens_have_no_logprobs(deep_decoder: sd.SpeculativeDecoder) -> None:
+    """The text leaves a stop string out, and so do the logprobs, streamed or not: each entry
+    is a token whose text begins in the output (the last may run on into the stop string).
+    The stop string's first token's is `stop_logprob`."""
+    streamed: list[sd.TokenLogprob] = []
+    settings = sd.GenerationSettings.checked(max_tokens=40, n_draft=3, logprobs=1, stop=["8"])
+    out = deep_decoder.run("Count: 1, 2, 3, 4, 5,", settings, on_logprobs=streamed.extend)
+    assert out.finish_reason == "stop" and out.logprobs is not None
+    assert out.logprobs == streamed
+    assert [e.token for e in out.logprobs] == out.tokens[: len(out.logprobs)]
+    assert len(out.logprobs) < len(out.tokens)  # "8" and what came with it
+    # As for an end token: the stop string's first token's, for a scorer after the echo.
+    assert out.stop_logprob is not None
+    assert out.stop_logprob.token == out.tokens[len(out.logprobs)]
+    pieces = deep_decoder.token_bytes([e.token for e in out.logprobs])
+    spelled, text = b"".join(pieces), out.text.encode()
+    assert spelled.startswith(text) and len(spelled) - len(text) < len(pieces[-1])
+
+
 def test_prompt_logprobs_score_every_prompt_token_but_the_first(
     deep_decoder: sd.SpeculativeDecoder,
 ) -> None:

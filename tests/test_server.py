@@ -144,6 +144,21 @@ def test_streamed_chat_is_the_same_text_with_usage(client: openai.OpenAI) -> Non
     assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
 
 
+def test_a_stream_carries_one_creation_time(client: openai.OpenAI) -> None:
+    """As OpenAI's: every chunk of a stream has the request's `created`, however long it runs
+    (500 tokens take over a second here)."""
+    started = time.time()
+    chunks = list(
+        client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Tell a story."}],
+            max_tokens=500, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert time.time() - started > 1.0
+    assert {c.created for c in chunks} == {chunks[0].created}
+    assert abs(chunks[0].created - started) <= 1
+
+
 def test_completions_streamed_and_not(client: openai.OpenAI) -> None:
     r = client.completions.create(model="smol", prompt="The sky is", max_tokens=8, temperature=0)
     assert r.object == "text_completion" and r.choices[0].text
@@ -297,8 +312,17 @@ def test_speculation_can_be_turned_off_per_request(chat_server: Server) -> None:
             400,
             "tool_call_id",
         ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}, {"role": "function", "name": "f",
+                                                              "content": "1"}]},
+            400,
+            "send 'tool_calls' and 'tool' messages",
+        ),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": -0.1}, 400,
+         "top_p"),
     ],
-)
+)  # fmt: skip
 def test_bad_requests_get_openai_shaped_errors(
     chat_server: Server, path: str, body: object, status: int, match: str
 ) -> None:
@@ -627,7 +651,7 @@ def test_an_index_file_that_would_be_ignored_or_unsaved_is_refused(tmp_path: Pat
     "option,message",
     [
         (("--temp", "-1"), "temperature must be"),
-        (("--top-p", "0"), "top_p must be"),
+        (("--top-p", "-0.5"), "top_p must be"),
         (("--repeat-penalty", "0"), "repeat_penalty must be"),
         (("--presence-penalty", "3"), "presence_penalty and frequency_penalty must be"),
     ],
@@ -982,6 +1006,55 @@ def test_bad_tools_are_400s(chat_server: Server, extra: dict[str, object], match
     assert match in r.json()["error"]["message"]
 
 
+def test_keywords_that_cannot_be_enforced_are_ignored_unless_strict(chat_server: Server) -> None:
+    """A tool's or an answer's schema with a keyword llguidance cannot enforce (`uniqueItems`,
+    which pydantic writes for a set) is held to the rest of it, as llama-server does; sent with
+    "strict": true it is a 400 naming the schema and the keyword, as OpenAI's strict mode."""
+    tags = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                "maxItems": 3, "uniqueItems": True}},
+        "required": ["tags"],
+    }  # fmt: skip
+    enforced = json.loads(json.dumps(tags).replace(', "uniqueItems": true', ""))
+    tool: dict[str, Any] = {"type": "function", "function": {"name": "tag", "parameters": tags}}
+    strict_tool = {**tool, "function": {**tool["function"], "strict": True}}
+    answer: dict[str, Any] = {
+        "type": "json_schema",
+        "json_schema": {"name": "tags", "schema": tags},
+    }
+    strict_answer = {**answer, "json_schema": {**answer["json_schema"], "strict": True}}
+    body = {"messages": [{"role": "user", "content": "Tag this: a red apple."}], "max_tokens": 60,
+            "temperature": 0}  # fmt: skip
+
+    def post(**extra: Any) -> httpx.Response:
+        url = f"{chat_server.url}/v1/chat/completions"
+        return httpx.post(url, json={**body, **extra}, timeout=120)
+
+    assert post(tools=[*WEATHER_TOOLS, tool], tool_choice="required").status_code == 200
+    r = post(
+        tools=[*WEATHER_TOOLS, tool], tool_choice={"type": "function", "function": {"name": "tag"}}
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] in ("tool_calls", "length")
+    for call in choice["message"].get("tool_calls") or []:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), enforced)
+    r = post(response_format=answer)
+    assert r.status_code == 200, r.text
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), enforced)
+    r = post(tools=[*WEATHER_TOOLS, strict_tool], tool_choice="required")
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "uniqueItems" in error["message"] and "tag" in error["message"]
+    assert error["param"] == f"tools[{len(WEATHER_TOOLS)}].function.parameters"
+    r = post(response_format=strict_answer)
+    assert r.status_code == 400, r.text
+    assert "uniqueItems" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "response_format"
+
+
 def test_tool_messages_that_cannot_be_read_are_400s(tools_at: ToolServer) -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
     deep = {**call, "function": {"name": "f", "arguments": "[" * 100_000}}
@@ -995,6 +1068,12 @@ def test_tool_messages_that_cannot_be_read_are_400s(tools_at: ToolServer) -> Non
         path = "completions" if "prompt" in body else "chat/completions"
         r = httpx.post(f"{tools_at.server.url}/v1/{path}", json=body, timeout=60)
         assert r.status_code == 400, r.text
+    # A message sent back as a client got it may name no older-API call: that is taken.
+    answered = {"role": "assistant", "content": "Hi.", "function_call": None}
+    messages = [{"role": "user", "content": "Hi"}, answered, {"role": "user", "content": "Bye"}]
+    body = {"messages": messages, "max_tokens": 2}
+    r = httpx.post(f"{tools_at.server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_a_langchain_agent_loop_over_two_tools(tools_at: ToolServer) -> None:
