@@ -133,8 +133,8 @@ struct GenerationResult {
     float stop_margin = std::numeric_limits<float>::quiet_NaN();
     std::vector<TokenLogprob> logprobs;  // per token, when the request asked for them
     // With logprobs asked for, ended by an end-of-generation token: that token's; by a stop
-    // string: its first token's, whose text was cut (one entry; a scorer reading the prompt's
-    // logprobs and the next token's wants it).
+    // string: that of the first token whose text it cut whole (one entry; a scorer reading the
+    // prompt's logprobs and the next token's wants it).
     std::vector<TokenLogprob> stop_logprob;
     // Per prompt token after the first, when the request asked for them (prompt_logprobs).
     std::vector<TokenLogprob> prompt_logprobs;

@@ -26,8 +26,9 @@ and `ngram-map-k` (n-gram model only), or `-md` (with --pair). Reported per trac
 generated tokens per second of generation time (prompt excluded: timings.predicted_ms), summed
 over the trace's requests; each round runs every server once, rotated; tokens drafted and
 accepted. llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds
-specdec's shared index served by each of two builds (folders that each hold a built
-`specdec_native` package, as for scripts/bench_zoo_ab.py), to judge a change side by side.
+specdec's shared index served by each of two builds ("build OLD, shared index", ...; folders
+that each hold a built `specdec_native` package, as for scripts/bench_zoo_ab.py), to judge a
+change side by side (`--servers build` runs those alone).
 """
 
 from __future__ import annotations
@@ -346,7 +347,7 @@ def servers(
         return lambda port: [*command, "--port", str(port)]
 
     for build in builds or []:
-        out[f"specdec, shared index, {build}"] = served_by(build)
+        out[f"build {build}, shared index"] = served_by(build)
     if draft:
         out["llama-server -md"] = llama_with("-md", str(draft), "-td", threads)
     else:

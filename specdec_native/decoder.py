@@ -219,7 +219,7 @@ class GenerationResult:
     # generation cut short while it read its prompt (a timeout, a cancel) has fewer.
     prompt_logprobs: list[TokenLogprob] | None = None
     # With logprobs, ended by an end-of-generation token: that token's (it is not in tokens);
-    # ended by a stop string: its first token's (the tokens of the text it cut have none).
+    # ended by a stop string: that of the first token whose text it cut whole (those have none).
     stop_logprob: TokenLogprob | None = None
 
     def as_dict(self) -> dict[str, Any]:

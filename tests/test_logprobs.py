@@ -90,7 +90,7 @@ def test_streamed_logprobs_come_with_their_text(deep_decoder: sd.SpeculativeDeco
 def test_a_stop_strings_tokens_have_no_logprobs(deep_decoder: sd.SpeculativeDecoder) -> None:
     """The text leaves a stop string out, and so do the logprobs, streamed or not: each entry
     is a token whose text begins in the output (the last may run on into the stop string).
-    The stop string's first token's is `stop_logprob`."""
+    The first token whose text it cut whole gives `stop_logprob`."""
     streamed: list[sd.TokenLogprob] = []
     settings = sd.GenerationSettings.checked(max_tokens=40, n_draft=3, logprobs=1, stop=["8"])
     out = deep_decoder.run("Count: 1, 2, 3, 4, 5,", settings, on_logprobs=streamed.extend)
@@ -98,7 +98,7 @@ def test_a_stop_strings_tokens_have_no_logprobs(deep_decoder: sd.SpeculativeDeco
     assert out.logprobs == streamed
     assert [e.token for e in out.logprobs] == out.tokens[: len(out.logprobs)]
     assert len(out.logprobs) < len(out.tokens)  # "8" and what came with it
-    # As for an end token: the stop string's first token's, for a scorer after the echo.
+    # As an end token's: for a scorer reading past an echo.
     assert out.stop_logprob is not None
     assert out.stop_logprob.token == out.tokens[len(out.logprobs)]
     pieces = deep_decoder.token_bytes([e.token for e in out.logprobs])
