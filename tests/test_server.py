@@ -1071,8 +1071,8 @@ def test_tool_messages_that_cannot_be_read_are_400s(tools_at: ToolServer) -> Non
     # A message sent back as a client got it may name no older-API call: that is taken.
     answered = {"role": "assistant", "content": "Hi.", "function_call": None}
     messages = [{"role": "user", "content": "Hi"}, answered, {"role": "user", "content": "Bye"}]
-    body = {"messages": messages, "max_tokens": 2}
-    r = httpx.post(f"{tools_at.server.url}/v1/chat/completions", json=body, timeout=60)
+    sent = {"messages": messages, "max_tokens": 2}
+    r = httpx.post(f"{tools_at.server.url}/v1/chat/completions", json=sent, timeout=60)
     assert r.status_code == 200, r.text
 
 
