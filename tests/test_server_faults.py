@@ -361,7 +361,7 @@ def test_a_soak_of_hostile_traffic_loses_nothing_and_leaks_nothing(
         body = {"prompt": [1, 250 + i % 50], "max_tokens": rng.choice([8, 300, 3000])}
         kind = plan[i]
         if kind == "bad_body":
-            r = httpx.post(url, content=b'{"prompt": [1], "top_p": 0}', timeout=60)
+            r = httpx.post(url, content=b'{"prompt": [1], "top_p": -1}', timeout=60)
             assert r.status_code == 400, r.text
         elif kind == "hang_up":
             sock = raw_request(s, "/v1/completions", body)
