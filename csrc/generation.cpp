@@ -617,7 +617,6 @@ int Generation::commit(size_t j) {
 // A token's logprob goes out with the first of its text (at the `last` text, every one left,
 // unless a stop string dropped their text).
 void Generation::emit(const std::string& text, bool last) {
-    bytes_out_ += text.size();
     const bool all = last && !text_.stopped();
     if (last && text_.stopped() && !held_logprobs_.empty())
         result_.stop_logprob.assign(1, held_logprobs_.front().second);
@@ -625,7 +624,7 @@ void Generation::emit(const std::string& text, bool last) {
     result_.text += text;
     std::lock_guard<std::mutex> lock(channel_->mutex);
     channel_->text += text;
-    while (!held_logprobs_.empty() && (all || held_logprobs_.front().first < bytes_out_)) {
+    while (!held_logprobs_.empty() && (all || held_logprobs_.front().first < result_.text.size())) {
         result_.logprobs.push_back(held_logprobs_.front().second);
         channel_->logprobs.push_back(std::move(held_logprobs_.front().second));
         held_logprobs_.pop_front();

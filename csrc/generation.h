@@ -392,7 +392,6 @@ class Generation {
     // string's tokens never go out, as their text does not.
     std::deque<std::pair<size_t, TokenLogprob>> held_logprobs_;
     size_t bytes_in_ = 0;                 // bytes of the committed tokens, into text_
-    size_t bytes_out_ = 0;                // bytes of text out of it
     std::vector<double> accept_chances_;  // sampling: each verdict's chance of acceptance
     // Sampling with a draft model: over the positions verified, the summed chances of
     // acceptance of a sampled draft (sum min(p, q)) and of q's argmax (p(argmax q)).

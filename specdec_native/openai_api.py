@@ -35,6 +35,10 @@ from .tools import (
 from .tools import Message as ToolMessage
 
 MAX_BODY_BYTES = 4 << 20
+STRICT = (
+    "true: a schema keyword that cannot be enforced is a 400 (uniqueItems, not, if, contains, "
+    "...); otherwise such keywords are ignored and the rest enforced"
+)
 MAX_NUMBER_DIGITS = 20  # 2**64 - 1 has 20: no field means anything past it
 MAX_STOPS = 16  # OpenAI takes 4; llama.cpp users send a few more
 MAX_STOP_CHARS = 512
@@ -120,11 +124,7 @@ class JsonSchemaFormat(_Body):
     name: Optional[str] = Field(None, max_length=256)
     description: Optional[str] = None
     json_schema: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
-    strict: Optional[bool] = Field(
-        None,
-        description="true: a schema keyword that cannot be enforced is a 400 (uniqueItems, not, "
-        "if, contains, ...); otherwise such keywords are ignored and the rest enforced",
-    )
+    strict: Optional[bool] = Field(None, description=STRICT)
 
 
 class ResponseFormat(_Body):
@@ -140,11 +140,7 @@ class FunctionDefinition(_Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of an object")
-    strict: Optional[bool] = Field(
-        None,
-        description="true: a schema keyword that cannot be enforced is a 400 (uniqueItems, not, "
-        "if, contains, ...); otherwise such keywords are ignored and the rest enforced",
-    )
+    strict: Optional[bool] = Field(None, description=STRICT)
 
     @field_validator("parameters")
     @classmethod
@@ -282,8 +278,6 @@ class _Generation(_Body):
         may be called."""
         try:
             answer = self._response_schema
-            if self._strict_response:
-                check_schema(answer, "response_format", strict=True)
             return tool_format(
                 self.tools, self.tool_choice, self.parallel_tool_calls, answer, syntax, tag_tokens
             )
@@ -300,6 +294,12 @@ class _Generation(_Body):
                     "give one of grammar, response_format, json_schema and tools", "grammar"
                 )
             return ("lark", self.grammar)
+        schema = self._response_schema
+        if self._strict_response:  # an answer beside tools too: their grammar is lenient
+            try:
+                check_schema(schema, "response_format", strict=True)
+            except ToolError as e:
+                raise BodyError(str(e), "response_format") from None
         if tools is not None:
             try:
                 return tools.constraint()
@@ -307,16 +307,10 @@ class _Generation(_Body):
                 raise BodyError(str(e), "tools") from None
             except RecursionError:
                 raise BodyError("tools: a schema is nested too deeply", "tools") from None
-        schema = self._response_schema
         if schema is None:
             return None
         if schema == _ANY_OBJECT:
             return ("json_object", "")
-        if self._strict_response:
-            try:
-                check_schema(schema, "response_format", strict=True)
-            except ToolError as e:
-                raise BodyError(str(e), "response_format") from None
         options = COMPACT_JSON if self._strict_response else LENIENT_JSON
         return ("json_schema", json.dumps(with_json_options(schema, options)))
 

@@ -392,11 +392,12 @@ class Run:
         arrived: float,
         on_start: Callable[[], None],
         pieces: Pieces,
-        index: int | None = None,
+        index: int | None,
+        created: int,
     ) -> None:
         self.job, self.rid, self.chat, self.arrived = job, rid, chat, arrived
         self.index = index  # its choice's, in a request of several
-        self.created = int(time.time())  # every chunk and answer of the request carries it
+        self.created = created  # the request's: every chunk and answer of it carries it
         self.flag = _core.CancelFlag()
         self.started = asyncio.Event()  # the engine gave it a slot: every check passed
         # Text as committed, with its tokens' logprobs when asked for; None: no more. One queue
@@ -906,8 +907,17 @@ class Server:
         try:
             for i, job in enumerate(jobs):
                 index = i if len(jobs) > 1 else None
-                run = Run(self.decoder, job, rid, chat, arrived, self._update_gauges, pieces, index)
-                run.created = created
+                run = Run(
+                    self.decoder,
+                    job,
+                    rid,
+                    chat,
+                    arrived,
+                    self._update_gauges,
+                    pieces,
+                    index,
+                    created,
+                )
                 self.runs.add(run)
                 run.future.add_done_callback(functools.partial(self._ended_future, run))
                 runs.append(run)
