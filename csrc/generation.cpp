@@ -281,8 +281,8 @@ bool Generation::draft_forced() {
 bool Generation::draft_by_ngram() {
     if (k_ == 0 || !ngram_ || (adaptive_ && !copying_)) return false;
     const auto start = Clock::now();
-    if (copying_ && from_index_)
-        parts_.index->propose(match_, k_, draft_);
+    if (copying_ && from_index_)  // k_ is within the steady length choose_copy measured
+        parts_.index->copy(match_, k_, draft_);
     else if (copying_)
         NgramDrafter::propose(seq_, match_, k_, draft_);
     else

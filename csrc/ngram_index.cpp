@@ -90,10 +90,13 @@ void SharedNgramIndex::record(ContextMap& map, uint64_t key, const std::vector<l
                               size_t p) {
     const auto [it, added] = map.try_emplace(key);
     Continuation& c = it->second;
-    if (added || c.seen < std::numeric_limits<uint16_t>::max()) {
-        c.changes += !added && tokens[c.at] != tokens[p];
-        ++c.seen;
+    // Full counts are halved, not frozen: a context steady for long may stop being so.
+    if (c.seen == std::numeric_limits<uint16_t>::max()) {
+        c.seen /= 2;
+        c.changes /= 2;
     }
+    c.changes += !added && tokens[c.at] != tokens[p];
+    ++c.seen;
     c.at = static_cast<uint32_t>(p);
 }
 
@@ -286,12 +289,15 @@ int SharedNgramIndex::steady_length(NgramMatch m, int k) const {
 }
 
 void SharedNgramIndex::propose(NgramMatch m, int k, Draft& out) const {
+    copy(m, steady_length(m, k), out);
+}
+
+void SharedNgramIndex::copy(NgramMatch m, int n, Draft& out) const {
     out.tokens.clear();
     out.q.clear();
     out.source = DraftSource::kIndex;
     out.caught_up = 0;
     out.t_catch_up = 0.0;
-    const int n = steady_length(m, k);
     for (int j = 0; j < n; ++j) {
         out.tokens.push_back(tokens_[static_cast<size_t>(m.from + j)]);
         out.q.push_back(nullptr);

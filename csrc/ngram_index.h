@@ -47,6 +47,8 @@ class SharedNgramIndex {
     // its latest occurrence (a tool call's argument after its fixed shell; a line an edit loop
     // keeps changing). Where a context occurred once there is no such evidence.
     int steady_length(NgramMatch m, int k) const;
+    // The n tokens continuing `m`, n at most steady_length(m, ...) (propose, measured before).
+    void copy(NgramMatch m, int n, Draft& out) const;
 
     // What the index's drafts were accepted at, by match length, over every request: one
     // request says little, and agent loops send many short ones.

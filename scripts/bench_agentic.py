@@ -1,12 +1,12 @@
 """Agentic traces served in order: specdec's shared n-gram index against its per-request n-gram
 and llama-server's n-gram drafters, on the same model, same machine, one run.
 
-    .venv/bin/python scripts/bench_agentic.py [--rounds 2] [-n 64] [--traces a,b] [--out FILE]
+    .venv/bin/python scripts/bench_agentic.py [--rounds 2] [-n N] [--traces a,b] [--out FILE]
         [--pair] [TARGET]
 
 Traces of 20 chat requests each, sent one after another as an agent would (each request's
 messages are fixed by the trace, so every server does the same work):
-  edit     a file re-emitted with one small change per request (the file evolves);
+  edit     a file re-emitted with one small change per request (20 changes: the file evolves);
   tools    separate tasks answered with a JSON tool call in one format (the shells repeat);
   calls    the same tasks with the call's JSON schema sent as response_format (both servers
            hold the output to it with a grammar: every answer is a call);
@@ -90,6 +90,28 @@ EDITS = [
     ),
     ("import json\n", "import json\nimport logging\n", "Import logging."),
     ("def save_report(items, path):", "def write_report(items, path):", "Rename save_report."),
+    ("MAX_ITEMS = 50", "MAX_ITEMS = 100", "Set MAX_ITEMS to 100."),
+    ("def load_items(path):", "def read_items(path):", "Rename load_items to read_items."),
+    (
+        'key=lambda item: item["price"])',
+        'key=lambda item: (item["price"], item["name"]))',
+        "Break ties by name.",
+    ),
+    (
+        '    return sum(item["price"] * item["quantity"] for item in items)',
+        '    return round(sum(item["price"] * item["quantity"] for item in items), 2)',
+        "Round the total to cents.",
+    ),
+    ("import logging\n", "import logging\nimport os\n", "Import os."),
+    ("json.dumps(report))", "json.dumps(report, indent=2))", "Indent the report."),
+    ('["name"]}', '["name"], "count": len(items)}', "Add the item count to the report."),
+    (
+        "from pathlib import Path\n",
+        "from pathlib import Path\nfrom typing import Any\n",
+        "Import Any.",
+    ),
+    ('"""Read items from JSON."""', '"""Read the item list from a JSON file."""', "Say more."),
+    ("def write_report(items, path):", "def write_report(items, path, indent=2):", "Add indent."),
 ]
 CONFIG = """[server]
 host = 127.0.0.1
@@ -118,6 +140,16 @@ CONFIG_EDITS = [
     ("rotate = daily", "rotate = weekly", "Rotate the log weekly."),
     ("shop\n", "shop_prod\n", "Point the database at shop_prod."),
     ("level = debug", "level = warning", "Set the log level to warning."),
+    ("workers = 8", "workers = 16", "Use 16 workers."),
+    ("pool_size = 25", "pool_size = 50", "Set the pool size to 50."),
+    ("file = /var/log/shop/app.log", "file = /var/log/shop/server.log", "Log to server.log."),
+    ("timeout = 60", "timeout = 45", "Lower the timeout to 45."),
+    ("echo = true", "echo = false", "Turn database echo off again."),
+    ("port = 9090", "port = 8443", "Change the port to 8443."),
+    ("db.internal:5432", "db.internal:6432", "Use port 6432 for the database."),
+    ("rotate = weekly", "rotate = hourly", "Rotate the log hourly."),
+    ("level = warning", "level = error", "Only log errors."),
+    ("host = 0.0.0.0", "host = 10.0.0.5", "Listen on 10.0.0.5 only."),
 ]
 TICKETS = [
     "I was charged twice for order 4411 this month, please refund one of them. - Maria",
@@ -205,13 +237,14 @@ PROSE = [
 
 
 def edit_trace(text: str = MODULE, edits: list[tuple[str, str, str]] = EDITS) -> list[Messages]:
+    """One request per edit, each on the file as the edits before it left it."""
     out = []
-    for i in range(20):
-        old, new, say = edits[i % len(edits)]
+    for old, new, say in edits:
         ask = f"Here is the file:\n\n{text}\nApply this change and output the whole file: {say}"
         out.append([{"role": "user", "content": ask}])
-        if old in text:
-            text = text.replace(old, new, 1)
+        if text.count(old) != 1:
+            raise ValueError(f"the edit {say!r} does not apply once")
+        text = text.replace(old, new)
     return out
 
 
@@ -288,6 +321,10 @@ TRACES: dict[str, Callable[[], list[Messages]]] = {
 }
 
 
+# Traces that re-emit a file get room for all of it, so that its later edits are generated too.
+TRACE_TOKENS = {"edit": 224, "config": 128}
+
+
 def serve_trace(
     url: str, trace: list[Messages], n: int, extras: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -343,7 +380,7 @@ def servers(
         return lambda port: [*llama, *extra, "--port", str(port)]
 
     def served_by(build: str) -> Callable[[int], list[str]]:
-        command = [sys.executable, "-c", BUILD_BOOT, build, *spec[3:]]
+        command = [sys.executable, "-c", BUILD_BOOT, str(Path(build).resolve()), *spec[3:]]
         return lambda port: [*command, "--port", str(port)]
 
     for build in builds or []:
@@ -361,7 +398,11 @@ def main() -> None:
     ap.add_argument("target", nargs="?", type=Path, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--pair", action="store_true", help="the default pair with its draft model")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("-n", type=int, default=64, help="tokens per request at most")
+    ap.add_argument(
+        "-n",
+        type=int,
+        help="tokens per request at most (default: 64; the whole file for edit, config)",
+    )
     ap.add_argument("--threads", default="2")
     ap.add_argument("--traces", default="edit,tools,calls,rag,prose")
     ap.add_argument("--out", type=Path)
@@ -396,7 +437,8 @@ def main() -> None:
                 serve_trace(url, [[{"role": "user", "content": "Hello"}]], 8)  # warm-up
                 for trace, requests in traces.items():
                     start = time.monotonic()
-                    result = serve_trace(url, requests, args.n, BODY_EXTRAS.get(trace))
+                    n = args.n or TRACE_TOKENS.get(trace, 64)
+                    result = serve_trace(url, requests, n, BODY_EXTRAS.get(trace))
                     result["wall"] = time.monotonic() - start
                     rows.setdefault((trace, name), []).append(result)
                     rate = result["tokens"] / result["seconds"]
@@ -408,7 +450,8 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, float]]]) -> None:
-    print(f"\n{args.target.name}, traces of 20 chat requests, greedy, up to {args.n} tokens each")
+    most = args.n or f"64 (edit {TRACE_TOKENS['edit']}, config {TRACE_TOKENS['config']})"
+    print(f"\n{args.target.name}, traces of 20 chat requests, greedy, up to {most} tokens each")
     print(
         "| trace | server | tok/s (median) | rounds | accepted / drafted | from the index "
         "| forced by the grammar |"
@@ -424,7 +467,8 @@ def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, 
             f"| {last['accepted']:.0f} / {last['drafted']:.0f} | {last['index']:.0f} "
             f"| {last.get('grammar', 0):.0f} |"
         )
-        out.append({"trace": trace, "server": name, "rounds": results})
+        most = args.n or TRACE_TOKENS.get(trace, 64)
+        out.append({"trace": trace, "server": name, "max_tokens": most, "rounds": results})
     if args.out:
         args.out.write_text(json.dumps({"target": args.target.name, "rows": out}, indent=1))
 

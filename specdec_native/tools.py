@@ -41,11 +41,12 @@ calls; a named function: calls of it).
 from __future__ import annotations
 
 import decimal
-import functools
 import hashlib
 import json
 import re
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -69,10 +70,17 @@ class ToolError(ValueError):
 
 
 def with_json_options(schema: Any, options: dict[str, Any]) -> Any:
-    """`schema` with `options` as its "x-guidance", unless it has its own."""
-    if isinstance(schema, dict) and "x-guidance" not in schema:
-        return {**schema, "x-guidance": options}
-    return schema
+    """`schema` with `options` as its "x-guidance", under its own where it has one; lenient
+    only where `options` are (a strict schema's own options cannot make it lenient)."""
+    if not isinstance(schema, dict):
+        return schema
+    own = schema.get("x-guidance", {})
+    if not isinstance(own, dict):  # llguidance names what is wrong with it
+        return schema
+    merged = {**options, **own}
+    if not options.get("lenient"):
+        merged.pop("lenient", None)
+    return {**schema, "x-guidance": merged}
 
 
 def check_schema(schema: Any, where: str, strict: bool, what: str = "") -> None:
@@ -82,7 +90,8 @@ def check_schema(schema: Any, where: str, strict: bool, what: str = "") -> None:
         return
     options = COMPACT_JSON if strict else LENIENT_JSON
     try:
-        why = _refusal(json.dumps(with_json_options(schema, options), sort_keys=True))
+        text = json.dumps(with_json_options(schema, options), sort_keys=True)
+        why = _refusals.get(text)
     except RecursionError:
         raise ToolError(f"{where}: the schema is nested too deeply") from None
     if why:
@@ -91,15 +100,40 @@ def check_schema(schema: Any, where: str, strict: bool, what: str = "") -> None:
         raise ToolError(f"{where}: {what + ': ' if what else ''}{why}")
 
 
-@functools.lru_cache(maxsize=256)
 def _refusal(schema: str) -> str:
-    """Why llguidance refuses a JSON schema ("" if it does not). Cached: agents send the same
-    tools with every request."""
+    """Why llguidance refuses a JSON schema ("" if it does not)."""
     from llguidance import LLMatcher
 
     grammar = LLMatcher.grammar_from_json_schema(schema)
     refused, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     return "; ".join(messages) if refused else ""
+
+
+class _Refusals:
+    """_refusal remembered for the latest schemas, by their digest: agents send the same tools
+    with every request, and a schema's text may be megabytes (a client sending many must not
+    make the server keep them)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._seen: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, schema: str) -> str:
+        key = hashlib.sha256(schema.encode()).digest()
+        with self._lock:
+            if key in self._seen:
+                self._seen.move_to_end(key)
+                return self._seen[key]
+        why = _refusal(schema)
+        with self._lock:
+            self._seen[key] = why
+            while len(self._seen) > self._size:
+                self._seen.popitem(last=False)
+        return why
+
+
+_refusals = _Refusals(256)
 
 
 def _call_id() -> str:

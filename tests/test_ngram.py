@@ -177,6 +177,15 @@ def test_a_copy_from_the_index_stops_where_earlier_outputs_went_different_ways()
     assert edited.draft([*tail, *text[:16]], 8) == text[16:20]
 
 
+def test_a_context_steady_for_long_can_stop_being_so() -> None:
+    """Continuation counts that fill their type are halved, not frozen."""
+    index = testing.SharedNgramIndex(1, 1, 1 << 26)
+    index.add([1], [5, 6] * 65_536)  # "5" went on with 6 as often as its count can say
+    assert index.draft([9, 5], 1) == [6]
+    index.add([1], [5, 7, 5, 8] * 20_000)  # then with 7 and 8 by turns
+    assert index.draft([9, 5], 1) == []
+
+
 def test_the_shared_index_keeps_to_its_budget(tiny_pair: models.ModelPair) -> None:
     budget_mb = 0.2
     with sd.SpeculativeDecoder(

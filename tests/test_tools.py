@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import tracemalloc
 from pathlib import Path
 
 import jsonschema  # type: ignore[import-untyped]
@@ -29,6 +30,7 @@ from specdec_native.tools import (
     ToolError,
     ToolFormat,
     _tagged_grammar,
+    check_schema,
     conversation,
     read_hermes,
     read_llama3,
@@ -565,3 +567,27 @@ def test_mistral_templates_get_ids_they_take() -> None:
     assert MISTRAL.template_id("call_1234") != "call_1234"
     # Other formats leave ids as they are.
     assert HERMES.chat(messages, tools)[0][2]["tool_call_id"] == call.id
+
+
+def test_a_schemas_own_options_keep_it_lenient_unless_strict() -> None:
+    own = {"x-guidance": {"whitespace_flexible": True}}
+    tags = {"type": "array", "items": {"type": "string"}, "uniqueItems": True, **own}
+    check_schema(tags, "tools[0].function.parameters", strict=False)
+    with pytest.raises(ToolError, match="uniqueItems"):
+        check_schema(tags, "tools[0].function.parameters", strict=True)
+    lenient = {**tags, "x-guidance": {"lenient": True}}
+    with pytest.raises(ToolError, match="uniqueItems"):
+        check_schema(lenient, "response_format", strict=True)
+
+
+def test_checked_schemas_are_not_kept_whole() -> None:
+    check_schema({"type": "object"}, "response_format", strict=False)  # llguidance loaded
+    tracemalloc.start()
+    try:
+        for i in range(16):
+            text = {"type": "string", "description": f"{i} " + "x" * 1_000_000}
+            check_schema({"type": "object", "properties": {"a": text}}, "tools[0]", strict=False)
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 4_000_000  # 16 MB of schemas checked
