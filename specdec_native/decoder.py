@@ -543,14 +543,16 @@ def _to_json(
 
 
 def _model_template(
-    info: dict[str, Any], keys: tuple[str, ...] = ("chat_template_tool_use", "chat_template")
+    info: dict[str, Any],
+    keys: tuple[str, ...] = ("chat_template_tool_use", "chat_template"),
+    tools: bool = True,
 ) -> ChatTemplate:
-    """The first of the model's own chat templates under `keys` that takes tools, compiled;
-    else an empty one (a template that does not compile, or knows no tools, is left to
-    llama.cpp's reading of it)."""
+    """The first of the model's own chat templates under `keys` that takes tools (or, not
+    `tools`, any), compiled; else an empty one (a template that does not compile, or knows no
+    tools, is left to llama.cpp's reading of it)."""
     for key in keys:
         text = info.get(key) or ""
-        if _is_jinja(text) and template_syntax(text).templated:
+        if _is_jinja(text) and (template_syntax(text).templated or not tools):
             try:
                 return ChatTemplate(jinja=_compile_jinja(text), tool_syntax=template_syntax(text))
             except ValueError:
@@ -1162,9 +1164,9 @@ class SpeculativeDecoder:
         ``enable_thinking``, as llama-server and Hugging Face pass them); a template read by
         llama.cpp's built-in formats takes none.
 
-        The model's own default template is rendered as Jinja where it takes tools (as
-        Hugging Face and ``llama-server --jinja`` render it: its own default system message
-        included), else read by llama.cpp's built-in formats; a GGUF's separate ``tool_use``
+        The model's own default template is rendered as Jinja (as Hugging Face and
+        llama-server render it: its own default system message included), or read by
+        llama.cpp's built-in formats where it does not compile; a GGUF's separate ``tool_use``
         template renders chats with tools only.
 
         ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects),
@@ -1233,10 +1235,12 @@ class SpeculativeDecoder:
         return {text: t for text in texts if (t := self._special[text]) is not None}
 
     def _plain_template(self) -> ChatTemplate | None:
-        """The model's own default template where it takes tools, for chats without them;
-        None: llama.cpp's built-in reading of it."""
+        """The model's own default template as Jinja, for chats without tools (as Hugging Face
+        and llama-server render it: a default system message it writes included); None where
+        it does not compile: llama.cpp's built-in reading of it."""
         if self._own_plain is None:
-            self._own_plain = _model_template(self._live().model_info(False), ("chat_template",))
+            info = self._live().model_info(False)
+            self._own_plain = _model_template(info, ("chat_template",), tools=False)
         return self._own_plain if self._own_plain.jinja is not None else None
 
     def _tools_template(self) -> ChatTemplate | None:

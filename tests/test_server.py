@@ -1231,9 +1231,14 @@ def test_chat_template_kwargs_reach_a_jinja_template(
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = post(hermes_server, chat_template_kwargs=["enable_thinking"])
     assert r.status_code == 400 and "chat_template_kwargs" in r.text
-    # llama.cpp's built-in formats take no variables: refused, not ignored.
+    # SmolLM2's own template is rendered as Jinja (llama.cpp's built-in formats would take no
+    # variables: tests/test_structured.py), with its default system message.
     r = post(chat_server, chat_template_kwargs={"enable_thinking": False})
-    assert r.status_code == 400 and "Jinja" in r.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    told = post(chat_server, messages=[{"role": "system", "content": default},
+                                       {"role": "user", "content": "Hi"}])  # fmt: skip
+    assert told.json()["usage"]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
 
 
 def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server: Server) -> None:

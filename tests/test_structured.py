@@ -513,3 +513,19 @@ def test_a_models_own_template_that_takes_tools_renders_chats_without_them(
         assert dec.tool_syntax is HERMES
         assert dec.apply_chat_template(chat).startswith("<|im_start|>user\nhi")
         assert dec.apply_chat_template(chat, tools=listed).startswith("TOOLS ")
+    # A default template that knows no tools is rendered as Jinja too (SmolLM2's writes its
+    # default system message, as llama-server and Hugging Face render it); one that cannot
+    # be compiled is read by llama.cpp's built-in formats, which take no variables.
+    greeting = (
+        "{% if messages[0].role != 'system' %}<|im_start|>system\nHello.<|im_end|>\n{% endif %}"
+    )
+    own = models.write_tiny_model(tmp_path / "plain.gguf", chat_template=greeting + chatml)
+    with sd.SpeculativeDecoder(own, n_ctx=256, n_threads=1) as dec:
+        assert dec.tool_syntax is GENERIC
+        assert dec.apply_chat_template(chat).startswith("<|im_start|>system\nHello.<|im_end|>\n")
+        given = dec.apply_chat_template(chat, chat_template_kwargs={"x": 1})
+        assert given.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    broken = models.write_tiny_model(tmp_path / "broken.gguf", chat_template=chatml + "{% if %}")
+    with sd.SpeculativeDecoder(broken, n_ctx=256, n_threads=1) as dec:
+        with pytest.raises(ValueError, match="Jinja"):
+            dec.apply_chat_template(chat, chat_template_kwargs={"x": 1})
