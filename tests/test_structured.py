@@ -523,8 +523,8 @@ def test_a_models_own_template_that_takes_tools_renders_chats_without_them(
     with sd.SpeculativeDecoder(own, n_ctx=256, n_threads=1) as dec:
         assert dec.tool_syntax is GENERIC
         assert dec.apply_chat_template(chat).startswith("<|im_start|>system\nHello.<|im_end|>\n")
-        given = dec.apply_chat_template(chat, chat_template_kwargs={"x": 1})
-        assert given.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        rendered = dec.apply_chat_template(chat, chat_template_kwargs={"x": 1})
+        assert rendered.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     broken = models.write_tiny_model(tmp_path / "broken.gguf", chat_template=chatml + "{% if %}")
     with sd.SpeculativeDecoder(broken, n_ctx=256, n_threads=1) as dec:
         with pytest.raises(ValueError, match="Jinja"):
