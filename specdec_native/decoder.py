@@ -548,8 +548,8 @@ def _model_template(
     tools: bool = True,
 ) -> ChatTemplate:
     """The first of the model's own chat templates under `keys` that takes tools (or, not
-    `tools`, any), compiled; else an empty one (a template that does not compile, or knows no
-    tools, is left to llama.cpp's reading of it)."""
+    `tools`, any), compiled; else an empty one (a template that does not compile, or that
+    knows no tools where they are wanted, is left to llama.cpp's reading of it)."""
     for key in keys:
         text = info.get(key) or ""
         if _is_jinja(text) and (template_syntax(text).templated or not tools):
