@@ -542,21 +542,26 @@ def _to_json(
     )
 
 
+def _compiled_template(text: str) -> ChatTemplate | None:
+    """A model's own Jinja chat template, compiled; None where it is none or does not compile
+    (llama.cpp's built-in formats read it then)."""
+    if not _is_jinja(text):
+        return None
+    try:
+        return ChatTemplate(jinja=_compile_jinja(text), tool_syntax=template_syntax(text))
+    except ValueError:
+        return None
+
+
 def _model_template(
-    info: dict[str, Any],
-    keys: tuple[str, ...] = ("chat_template_tool_use", "chat_template"),
-    tools: bool = True,
+    info: dict[str, Any], keys: tuple[str, ...] = ("chat_template_tool_use", "chat_template")
 ) -> ChatTemplate:
-    """The first of the model's own chat templates under `keys` that takes tools (or, not
-    `tools`, any), compiled; else an empty one (a template that does not compile, or that
-    knows no tools where they are wanted, is left to llama.cpp's reading of it)."""
+    """The first of the model's own chat templates under `keys` that takes tools, compiled;
+    else an empty one."""
     for key in keys:
         text = info.get(key) or ""
-        if _is_jinja(text) and (template_syntax(text).templated or not tools):
-            try:
-                return ChatTemplate(jinja=_compile_jinja(text), tool_syntax=template_syntax(text))
-            except ValueError:
-                continue
+        if template_syntax(text).templated and (template := _compiled_template(text)):
+            return template
     return ChatTemplate()
 
 
@@ -1239,8 +1244,8 @@ class SpeculativeDecoder:
         and llama-server render it: a default system message it writes included); None where
         it does not compile: llama.cpp's built-in reading of it."""
         if self._own_plain is None:
-            info = self._live().model_info(False)
-            self._own_plain = _model_template(info, ("chat_template",), tools=False)
+            text = self._live().model_info(False).get("chat_template") or ""
+            self._own_plain = _compiled_template(text) or ChatTemplate()
         return self._own_plain if self._own_plain.jinja is not None else None
 
     def _tools_template(self) -> ChatTemplate | None:

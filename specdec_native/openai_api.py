@@ -35,7 +35,7 @@ from .tools import (
 from .tools import Message as ToolMessage
 
 MAX_BODY_BYTES = 4 << 20
-STRICT = (
+STRICT_DESCRIPTION = (
     "true: a schema keyword that cannot be enforced is a 400 (uniqueItems, not, if, contains, "
     "...); otherwise such keywords are ignored and the rest enforced"
 )
@@ -124,7 +124,7 @@ class JsonSchemaFormat(_Body):
     name: Optional[str] = Field(None, max_length=256)
     description: Optional[str] = None
     json_schema: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
-    strict: Optional[bool] = Field(None, description=STRICT)
+    strict: Optional[bool] = Field(None, description=STRICT_DESCRIPTION)
 
 
 class ResponseFormat(_Body):
@@ -140,7 +140,7 @@ class FunctionDefinition(_Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of an object")
-    strict: Optional[bool] = Field(None, description=STRICT)
+    strict: Optional[bool] = Field(None, description=STRICT_DESCRIPTION)
 
     @field_validator("parameters")
     @classmethod
