@@ -542,9 +542,11 @@ def _to_json(
     )
 
 
+@functools.lru_cache(maxsize=8)
 def _compiled_template(text: str) -> ChatTemplate | None:
     """A model's own Jinja chat template, compiled; None where it is none or does not compile
-    (llama.cpp's built-in formats read it then)."""
+    (llama.cpp's built-in formats read it then). Kept: a template that takes tools renders
+    chats without them too, and decoders of one model share it."""
     if not _is_jinja(text):
         return None
     try:

@@ -470,6 +470,8 @@ def test_a_models_own_template_that_takes_tools_renders_chats_without_them(
         # OpenAI's developer role is the system message to a template that knows no such role.
         told = dec.apply_chat_template([{"role": "developer", "content": "Be brief."}, *chat])
         assert told.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+        # One template for chats with tools and without: compiled once.
+        assert dec._tools_template() is dec._plain_template()
     # A template the caller names renders chats without tools.
     with sd.SpeculativeDecoder(target, n_ctx=256, n_threads=1, chat_template="chatml") as dec:
         assert dec.apply_chat_template(chat).startswith("<|im_start|>user\nhi")
