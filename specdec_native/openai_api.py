@@ -88,6 +88,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "min_keep": _used_unless(_at_most(1)),  # a sampler always keeps one token
     "grammar_lazy": _used_unless(lambda v: v is False),
     "lora": _used_unless(lambda v: v == []),
+    "modalities": _used_unless(lambda v: v == ["text"]),  # this server writes text only
+    "audio": lambda v: v is not None,
 }
 
 
@@ -97,6 +99,11 @@ class BodyError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
+
+
+def _null_is_off(cls: Any, value: Any) -> Any:
+    """A switch sent as null is off, as OpenAI reads its nullable switches (stream, echo)."""
+    return False if value is None else value
 
 
 class _Body(BaseModel):
@@ -176,15 +183,10 @@ class ToolCallItem(_Body):
     function: FunctionCall
 
 
-class _Generation(_Body):
-    """What both endpoints take."""
+class _Sampling(_Body):
+    """How to sample, and what specdec and llama-server add to it: what every endpoint that
+    generates takes."""
 
-    model: Optional[str] = Field(None, max_length=256)
-    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
-    n_predict: Optional[int] = Field(
-        None, ge=-1, le=MAX_INT, description="llama-server's max_tokens; -1: no limit"
-    )
     temperature: Optional[float] = Field(
         None, ge=0.0, le=100.0, description="default: the server's (1 unless serve --temp)"
     )
@@ -197,21 +199,7 @@ class _Generation(_Body):
     stop: Union[str, list[str], None] = Field(
         None, description=f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters"
     )
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(
-        None, ge=1, le=MAX_CHOICES, description="choices, each its own generation"
-    )
     speculative: Optional[Speculative] = None
-    response_format: Optional[ResponseFormat] = None
-    json_schema: Union[dict[str, Any], bool, None] = Field(
-        None, description="llama-server's: the output matches this JSON schema"
-    )
-    grammar: Optional[str] = Field(
-        None,
-        max_length=MAX_GRAMMAR_CHARS,
-        description="llama-server's: a GBNF grammar the output matches (or Lark syntax)",
-    )
     logit_bias: Optional[dict[str, float]] = Field(
         None, description="token id (as a string): a bias in [-100, 100] added to its logit"
     )
@@ -230,12 +218,9 @@ class _Generation(_Body):
         description="llama-server's: default the server's (64 unless serve --repeat-last-n); "
         "-1: all, 0: none",
     )
-    tools: Optional[list[Tool]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="chat: variables for a Jinja chat template, as llama-server's"
     )
-    parallel_tool_calls: Optional[bool] = None
     ngram_index: bool = Field(
         True,
         description="false: neither draft from the server's shared n-gram index (earlier "
@@ -269,6 +254,54 @@ class _Generation(_Body):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_biases(cls, bias: Any) -> Any:
+        if isinstance(bias, dict):
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"takes at most {MAX_LOGIT_BIAS} tokens")
+            for key, value in bias.items():
+                if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                    raise ValueError(f"keys are token ids, got {key!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"values are numbers, got {value!r}")
+                if not -100 <= value <= 100:
+                    raise ValueError(f"values are in [-100, 100], got {value}")
+            return {k: float(v) for k, v in bias.items()}
+        return bias
+
+    @property
+    def token_biases(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+
+class _Generation(_Sampling):
+    """What both endpoints take."""
+
+    model: Optional[str] = Field(None, max_length=256)
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    n_predict: Optional[int] = Field(
+        None, ge=-1, le=MAX_INT, description="llama-server's max_tokens; -1: no limit"
+    )
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = Field(
+        None, ge=1, le=MAX_CHOICES, description="choices, each its own generation"
+    )
+    response_format: Optional[ResponseFormat] = None
+    json_schema: Union[dict[str, Any], bool, None] = Field(
+        None, description="llama-server's: the output matches this JSON schema"
+    )
+    grammar: Optional[str] = Field(
+        None,
+        max_length=MAX_GRAMMAR_CHARS,
+        description="llama-server's: a GBNF grammar the output matches (or Lark syntax)",
+    )
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
 
     def tool_format(
         self, syntax: ToolSyntax = GENERIC, tag_tokens: Mapping[str, int] | None = None
@@ -342,25 +375,7 @@ class _Generation(_Body):
             schema = self.json_schema
         return schema  # type: ignore[no-any-return]
 
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _token_biases(cls, bias: Any) -> Any:
-        if isinstance(bias, dict):
-            if len(bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"takes at most {MAX_LOGIT_BIAS} tokens")
-            for key, value in bias.items():
-                if not (key.isascii() and key.isdigit() and len(key) <= 9):
-                    raise ValueError(f"keys are token ids, got {key!r}")
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise ValueError(f"values are numbers, got {value!r}")
-                if not -100 <= value <= 100:
-                    raise ValueError(f"values are in [-100, 100], got {value}")
-            return {k: float(v) for k, v in bias.items()}
-        return bias
-
-    @property
-    def token_biases(self) -> dict[int, float]:
-        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+    _stream_null_is_off = field_validator("stream", mode="before")(_null_is_off)
 
     @field_validator("n_predict")
     @classmethod
@@ -399,6 +414,11 @@ class _Generation(_Body):
 class ContentPart(_Body):
     type: str
     text: Optional[str] = None
+    refusal: Optional[str] = Field(None, description="an assistant's refusal part's text")
+
+    @property
+    def words(self) -> str:
+        return (self.text if self.type == "text" else self.refusal) or ""
 
 
 class Message(_Body):
@@ -415,7 +435,7 @@ class Message(_Body):
         if self.content is None or isinstance(self.content, str):
             return self.content
         # Text parts are lines, as llama-server and vLLM join them.
-        return "\n".join(part.text or "" for part in self.content)
+        return "\n".join(part.words for part in self.content)
 
     @model_validator(mode="before")
     @classmethod
@@ -452,10 +472,12 @@ class Message(_Body):
     def _text_only(cls, content: str | list[ContentPart]) -> str | list[ContentPart]:
         if isinstance(content, list):
             for part in content:
-                if part.type != "text":
-                    raise ValueError("only text content parts are supported")
-                if part.text is None:
+                if part.type not in ("text", "refusal"):
+                    raise ValueError("only text content parts are supported (and refusal parts)")
+                if part.type == "text" and part.text is None:
                     raise ValueError("a text part needs 'text'")
+                if part.type == "refusal" and part.refusal is None:
+                    raise ValueError("a refusal part needs 'refusal'")
         return content
 
 
@@ -470,6 +492,211 @@ class ChatCompletionRequest(_Generation):
         if self.top_logprobs is not None and not self.logprobs:
             raise BodyError("top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ResponseTool(FunctionDefinition):
+    """A function tool of OpenAI's Responses API (the chat API's function, flattened)."""
+
+    type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_function(cls, tool: Any) -> Any:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise ValueError(
+                f"only function tools are served here, not {kind!r} (OpenAI's hosted tools "
+                "run on OpenAI's servers)"
+            )
+        return tool
+
+
+class ResponseToolChoice(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+
+
+class TextFormat(_Body):
+    """The Responses API's text.format: text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = Field(None, max_length=256)
+    description: Optional[str] = None
+    json_schema: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+    strict: Optional[bool] = Field(None, description=STRICT_DESCRIPTION)
+
+
+class TextConfig(_Body):
+    format: Optional[TextFormat] = None
+
+
+# The Responses API's include value that asks for the output text's logprobs.
+TEXT_LOGPROBS = "message.output_text.logprobs"
+
+
+class ResponsesRequest(_Sampling):
+    """OpenAI's Responses API (POST /v1/responses), served statelessly: answered as the chat
+    request it maps to (`chat()`), nothing stored, so the conversation comes whole as input."""
+
+    model: Optional[str] = Field(None, max_length=256)
+    input: Union[str, list[dict[str, Any]]] = Field(
+        description="text, or items: messages (input_text and output_text parts), "
+        "function_call and function_call_output; reasoning items are skipped"
+    )
+    instructions: Optional[str] = Field(None, description="a system message before the input")
+    max_output_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    stream: bool = False
+    tools: Optional[list[ResponseTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ResponseToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[TextConfig] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: Optional[list[str]] = Field(
+        None, description=f"{TEXT_LOGPROBS!r} gives the output text's logprobs; others: none"
+    )
+    metadata: Optional[dict[str, str]] = Field(None, description="given back as sent")
+    previous_response_id: Optional[str] = Field(
+        None, description="not taken: nothing is stored, send the conversation as input"
+    )
+    conversation: Any = Field(None, description="not taken: nothing is stored")
+    background: Optional[bool] = Field(None, description="not taken: answers come at once")
+
+    _stream_null_is_off = field_validator("stream", mode="before")(_null_is_off)
+
+    @model_validator(mode="after")
+    def _stateless(self) -> ResponsesRequest:
+        for name in ("previous_response_id", "conversation"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"'{name}' is not taken: this server stores no responses; send the whole "
+                    "conversation as 'input' (earlier output items included)",
+                )
+        if self.background:
+            raise ValueError("'background' is not taken: responses are answered at once")
+        return self
+
+    @property
+    def logprobs(self) -> bool:
+        return self.top_logprobs is not None or TEXT_LOGPROBS in (self.include or [])
+
+    def chat(self) -> ChatCompletionRequest:
+        """The chat request this asks for."""
+        body: dict[str, Any] = self.model_dump(
+            include=set(_Sampling.model_fields), exclude_unset=True, by_alias=True
+        )
+        body.update(
+            messages=_response_messages(self.instructions, self.input),
+            stream=self.stream,
+            parallel_tool_calls=self.parallel_tool_calls,
+        )
+        if self.model is not None:
+            body["model"] = self.model
+        if self.max_output_tokens is not None:
+            body["max_completion_tokens"] = self.max_output_tokens
+        if self.tools is not None:
+            body["tools"] = [
+                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                for t in self.tools
+            ]
+        choice = self.tool_choice
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}}
+            if isinstance(choice, ResponseToolChoice)
+            else choice
+        )
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_schema":
+            schema = fmt.model_dump(exclude={"type"}, exclude_none=True, by_alias=True)
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        elif fmt is not None:
+            body["response_format"] = {"type": fmt.type}
+        if self.logprobs:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
+        return validated(body, ChatCompletionRequest)
+
+
+def _response_messages(instructions: str | None, given: str | list[dict[str, Any]]) -> list[Any]:
+    """The Responses API's instructions and input as chat messages: a function_call item joins
+    the assistant message before it (calls made together are one message)."""
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    for i, item in enumerate(items):
+        message = _response_message(i, item)
+        if message is None:
+            continue
+        calls = message.get("tool_calls")
+        last = messages[-1] if messages else None
+        if (
+            calls
+            and message["content"] is None
+            and last is not None
+            and last["role"] == "assistant"
+        ):
+            last["tool_calls"] = [*(last.get("tool_calls") or []), *calls]
+        else:
+            messages.append(message)
+    if not messages:
+        raise BodyError("'input' needs at least one message", "input")
+    return messages
+
+
+_INPUT_TEXT = ("input_text", "output_text", "text")
+
+
+def _response_message(i: int, item: Any) -> dict[str, Any] | None:
+    """Input item i as a chat message; None for an item that carries no text for the model."""
+    where = f"'input[{i}]'"
+    if not isinstance(item, dict):
+        raise BodyError(f"{where}: each item is an object", "input")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise BodyError(
+                f"{where}: a message's role is user, system, developer or assistant", "input"
+            )
+        return {"role": role, "content": _input_text(where, item.get("content"))}
+    if kind == "function_call":
+        call = {k: item.get(k) for k in ("call_id", "name", "arguments")}
+        if not all(isinstance(v, str) for v in call.values()):
+            raise BodyError(
+                f"{where}: a function_call needs call_id, name and arguments (text)", "input"
+            )
+        function = {"name": call["name"], "arguments": call["arguments"]}
+        tool_call = {"id": call["call_id"], "type": "function", "function": function}
+        return {"role": "assistant", "content": None, "tool_calls": [tool_call]}
+    if kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise BodyError(f"{where}: a function_call_output needs call_id", "input")
+        output = _input_text(where, item.get("output"))
+        return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+    if kind == "reasoning":
+        return None  # a model's reasoning from elsewhere: this model reads none
+    raise BodyError(
+        f"{where}: items of type {kind!r} are not taken (message, function_call, "
+        "function_call_output)",
+        "input",
+    )
+
+
+def _input_text(where: str, content: Any) -> str:
+    """A message's or a tool output's content: text, or text parts (joined as lines)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        texts = []
+        for part in content:
+            if part.get("type") not in _INPUT_TEXT or not isinstance(part.get("text"), str):
+                raise BodyError(
+                    f"{where}: only text parts are taken (input_text, output_text), got "
+                    f"{part.get('type')!r}",
+                    "input",
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise BodyError(f"{where}: content is text or a list of text parts", "input")
 
 
 Prompt = Union[Annotated[str, Field(min_length=1)], Annotated[list[int], Field(min_length=1)]]
@@ -524,6 +751,8 @@ class CompletionRequest(_Generation):
         if self.n_choices > MAX_CHOICES:
             raise ValueError(f"n times the prompts is at most {MAX_CHOICES}, got {self.n_choices}")
         return self
+
+    _echo_null_is_off = field_validator("echo", mode="before")(_null_is_off)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -616,19 +845,25 @@ def validated(body: Any, model: type[Body]) -> Body:
         raise BodyError(f"'{param}': {msg}", param=param.split(".")[0].split("[")[0]) from None
 
 
-def parse_body(body: Any, chat: bool) -> ChatCompletionRequest | CompletionRequest:
-    """The body validated as `chat` says; the first problem found as a BodyError."""
+def parse_body(
+    body: Any, endpoint: str
+) -> tuple[ChatCompletionRequest | CompletionRequest, ResponsesRequest | None]:
+    """The body validated for `endpoint` ("chat", "completion" or "response"), as the request
+    it asks for (a response's: the chat request it maps to, and itself); the first problem
+    found as a BodyError."""
     if not isinstance(body, dict):
         raise BodyError("the request body must be a JSON object")
     for name, used in UNSUPPORTED.items():
         if name in body and used(body[name]):
             raise BodyError(f"'{name}' is not supported by this server", param=name)
-    if chat and body.get("echo"):
+    if endpoint != "completion" and body.get("echo"):
         raise BodyError("'echo' is for /v1/completions", param="echo")
-    model: type[ChatCompletionRequest | CompletionRequest] = (
-        ChatCompletionRequest if chat else CompletionRequest
-    )
-    return validated(body, model)
+    if endpoint == "response":
+        ask = validated(body, ResponsesRequest)
+        return ask.chat(), ask
+    if endpoint == "chat":
+        return validated(body, ChatCompletionRequest), None
+    return validated(body, CompletionRequest), None
 
 
 def openapi_body(model: type[BaseModel]) -> dict[str, Any]:

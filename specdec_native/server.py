@@ -17,9 +17,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,12 +30,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from specdec_native import __version__, _core
+from specdec_native import __version__, _core, responses
 from specdec_native.decoder import (
     AUTO,
     EngineClosedError,
@@ -50,6 +50,7 @@ from specdec_native.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     components_of,
     openapi_body,
@@ -60,6 +61,8 @@ from specdec_native.openai_api import (
 from specdec_native.tools import GENERIC, Streamed, ToolCall, ToolFormat
 
 log = logging.getLogger("specdec.server")
+# The ids of a request's answer, by endpoint, as OpenAI's begin.
+RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}
 
 # /health says ready once the models are loaded and the warm-up is done, or this many seconds
 # into the warm-up, whichever is first: on a busy machine a warm-up can take minutes, and a
@@ -867,9 +870,12 @@ class Server:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def handle(self, request: Request, chat: bool) -> Response:
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        """A request to the endpoint `endpoint` reads as: "chat", "completion" or "response"
+        (OpenAI's Responses API, answered as the chat request it maps to)."""
         arrived = time.monotonic()
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        chat = endpoint != "completion"
+        rid = RESPONSE_ID_PREFIX[endpoint] + uuid.uuid4().hex
         try:
             self.check_auth(request)
             self.admit()  # before the body: admitted requests bound what bodies hold
@@ -880,7 +886,7 @@ class Server:
             return raw
         assert self.decoder is not None
         try:
-            body = parse_body(read_json(raw), chat)
+            body, ask = parse_body(read_json(raw), endpoint)
             # Off the event loop: a chat template's rendering may take its time budget.
             loop = asyncio.get_running_loop()
             jobs = await loop.run_in_executor(None, _jobs, body, self.decoder, self.settings)
@@ -893,8 +899,8 @@ class Server:
             raise
         runs = self._start(jobs, rid, chat, arrived)
         if body.stream:
-            return await self._stream(request, runs, body.n or 1)
-        return await self._choices(request, runs, body.n or 1)
+            return await self._stream(request, runs, body.n or 1, ask)
+        return await self._choices(request, runs, body.n or 1, ask)
 
     def _start(self, jobs: list[Job], rid: str, chat: bool, arrived: float) -> list[Run]:
         """A run for each admitted job (its end releases its admission; a choice among several
@@ -929,9 +935,12 @@ class Server:
             raise
         return runs
 
-    async def _choices(self, request: Request, runs: list[Run], n: int) -> Response:
+    async def _choices(
+        self, request: Request, runs: list[Run], n: int, ask: ResponsesRequest | None
+    ) -> Response:
         """A request's answer, not streamed: once all its choices (n for each prompt) have
-        ended, or at once where one's failure decides it."""
+        ended, or at once where one's failure decides it (`ask`: as the response it asked
+        for)."""
         if not await _until_decided(runs, request):
             return Response(status_code=499)  # nobody is there to read it
         if (refusal := _failure(runs)) is not None:
@@ -944,17 +953,20 @@ class Server:
         if len(answers) > 1:
             out["choices"] = [a["choices"][0] | {"index": i} for i, a in enumerate(answers)]
             out["usage"] = _total_usage([a["usage"] for a in answers], n)
-        return JSONResponse(out)
+        return JSONResponse(out if ask is None else responses.from_completion(ask, out))
 
-    async def _stream(self, request: Request, runs: list[Run], n: int) -> Response:
+    async def _stream(
+        self, request: Request, runs: list[Run], n: int, ask: ResponsesRequest | None
+    ) -> Response:
         """A request's answer as server-sent events, once each of its choices has a slot (a
-        choice that cannot start, or a shutdown before it has, is answered as such)."""
+        choice that cannot start, or a shutdown before it has, is answered as such); `ask`:
+        as the events of the response it asked for."""
         if not await _until_decided(runs, request, started=True):
             return Response(status_code=499)  # nobody is there to read it
         if (refusal := _failure(runs)) is not None:
             return refusal.response()
         return EventSourceResponse(
-            self._events(runs, n),
+            self._events(runs, n) if ask is None else self._response_events(runs[0], ask),
             ping=15,
             sep="\n",
             # Running streams are cut at the grace limit by the server itself, with a last
@@ -1145,16 +1157,14 @@ class Server:
             "text_offset": [at.next(pieces[e.token]) for e in entries],
         }
 
-    async def _events(self, runs: list[Run], n: int) -> AsyncIterator[str]:
-        """The runs' text as server-sent events (each choice's chunks by its index, as they
-        come), each one's finish reason, then the usage of all and [DONE]. A client that goes
-        away cancels this task: leaving here cancels the runs."""
+    async def _chunks(self, runs: list[Run], n: int) -> AsyncGenerator[dict[str, Any], None]:
+        """The runs' text as chunks (each choice's by its index, as they come), each one's
+        finish reason, then the usage of all if asked for; or, where a run failed, an error
+        object last. A client that goes away cancels this task: leaving here cancels the runs."""
         try:
             if runs[0].chat:
                 for run in runs:
-                    yield json.dumps(
-                        self._chunk(run, None, None, {"role": "assistant", "content": ""})
-                    )
+                    yield self._chunk(run, None, None, {"role": "assistant", "content": ""})
             streams = {run: _ChoiceStream(run) for run in runs}
             usages: dict[Run, dict[str, Any]] = {}  # as each ends
             while len(usages) < len(runs):
@@ -1162,27 +1172,59 @@ class Server:
                 stream = streams[run]
                 if piece is not None:
                     for chunk in self._piece_chunks(stream, *piece):
-                        yield json.dumps(chunk)
+                        yield chunk
                     continue
                 error = run.future.exception()
                 if error is not None:  # the model or the backend failed mid-stream
                     for other in runs:
                         other.cancel("abandoned")
                     refusal = _refusal(error)
-                    yield json.dumps({"error": {"message": refusal.message, "type": refusal.kind}})
+                    yield {"error": {"message": refusal.message, "type": refusal.kind}}
                     return
                 for chunk in self._end_chunks(stream):
-                    yield json.dumps(chunk)
+                    yield chunk
                 usages[run] = _usage(run.future.result())
             if runs[0].job.include_usage:
                 usage = self._chunk(runs[0], None, None)
                 usage["choices"] = []
                 usage["usage"] = _total_usage([usages[run] for run in runs], n)  # in order
-                yield json.dumps(usage)
-            yield "[DONE]"
+                yield usage
         finally:
             for run in runs:
                 run.cancel("disconnect")  # no effect once a run has ended
+
+    async def _events(self, runs: list[Run], n: int) -> AsyncIterator[str]:
+        """The chunks as server-sent events, then [DONE] unless one was an error."""
+        async with aclosing(self._chunks(runs, n)) as chunks:
+            async for chunk in chunks:
+                yield json.dumps(chunk)
+                if "error" in chunk:
+                    return
+        yield "[DONE]"
+
+    async def _response_events(
+        self, run: Run, ask: ResponsesRequest
+    ) -> AsyncIterator[ServerSentEvent]:
+        """A response's events (named by their type, as OpenAI sends them) from its run's
+        chunks, the whole response last."""
+        events = responses.ResponseEvents(ask, run.rid, run.created, self.settings.model_alias)
+
+        def sse(items: list[dict[str, Any]]) -> list[ServerSentEvent]:
+            return [ServerSentEvent(json.dumps(e), event=e["type"]) for e in items]
+
+        for event in sse(events.start()):
+            yield event
+        async with aclosing(self._chunks([run], 1)) as chunks:
+            async for chunk in chunks:
+                if "error" in chunk:
+                    for event in sse(events.failed(chunk["error"]["message"])):
+                        yield event
+                    return
+                for event in sse(events.chunk(chunk)):
+                    yield event
+        final = responses.from_completion(ask, self._completion(run, run.future.result()))
+        for event in sse(events.end(final)):
+            yield event
 
     def _piece_chunks(
         self, stream: _ChoiceStream, text: str, logprobs: list[TokenLogprob]
@@ -1415,17 +1457,23 @@ def create_app(
     # OpenAPI entries say what the body models take.
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await server.handle(request, chat=True)
+        return await server.handle(request, "chat")
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await server.handle(request, chat=False)
+        return await server.handle(request, "completion")
+
+    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    async def create_response(request: Request) -> Response:
+        return await server.handle(request, "response")
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(components_of(ChatCompletionRequest, CompletionRequest))
+            components.update(
+                components_of(ChatCompletionRequest, CompletionRequest, ResponsesRequest)
+            )
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -1452,11 +1500,21 @@ def create_app(
 
         return await server.vocab_call(request, work)
 
+    model = {"id": settings.model_alias, "object": "model", "owned_by": "specdec", "created": 0}
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         server.check_auth(request)
-        model = {"id": settings.model_alias, "object": "model", "owned_by": "specdec", "created": 0}
         return JSONResponse({"object": "list", "data": [model]})
+
+    @app.get("/v1/models/{name:path}")
+    async def retrieve_model(request: Request, name: str) -> Response:
+        server.check_auth(request)
+        if name != settings.model_alias:
+            raise RequestError(
+                404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+            )
+        return JSONResponse(model)
 
     @app.get("/health")
     async def health() -> Response:

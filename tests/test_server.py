@@ -101,6 +101,9 @@ def tools_at(request: pytest.FixtureRequest) -> ToolServer:
 
 def test_models_and_health(chat_server: Server, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["smol"]
+    assert client.models.retrieve("smol").id == "smol"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
     assert httpx.get(chat_server.url + "/health").json() == {"status": "ok"}
 
 
@@ -177,8 +180,13 @@ def test_fields_openai_clients_read_and_send(chat_server: Server) -> None:
     deprecated max_tokens, text parts as lines, llama-server's seed -1 (a random one)."""
     url = chat_server.url + "/v1/chat/completions"
     parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]
+    refused = [{"type": "refusal", "refusal": "I cannot."}]  # an assistant's, as OpenAI wrote it
     body = {
-        "messages": [{"role": "user", "content": parts}],
+        "messages": [
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": refused},
+            {"role": "user", "content": parts},
+        ],
         "max_tokens": 9,
         "max_completion_tokens": 3,
         "temperature": 0,
@@ -190,7 +198,16 @@ def test_fields_openai_clients_read_and_send(chat_server: Server) -> None:
     assert (
         r["usage"]["prompt_tokens"]
         == httpx.post(
-            url, json={**body, "messages": [{"role": "user", "content": "Say\nhello."}]}, timeout=60
+            url,
+            json={
+                **body,
+                "messages": [
+                    {"role": "user", "content": "Hi."},
+                    {"role": "assistant", "content": "I cannot."},
+                    {"role": "user", "content": "Say\nhello."},
+                ],
+            },
+            timeout=60,
         ).json()["usage"]["prompt_tokens"]
     )
     streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -1255,6 +1272,7 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
         {"xtc_probability": 0.5}, {"dry_multiplier": 0.8}, {"n_probs": 3}, {"min_keep": 2},
         {"grammar_lazy": True}, {"lora": [{"id": 0, "scale": 1}]},
         {"typical_p": "0.9"}, {"n_predict": 0}, {"chat_template_kwargs": {"enable_thinking": False}},
+        {"modalities": ["text", "audio"]}, {"audio": {"voice": "alloy", "format": "wav"}},
     ]  # fmt: skip
     for fields in refused:
         r = post(**fields)
@@ -1268,6 +1286,8 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
         "chat_template_kwargs": {},
     }  # fmt: skip
     assert post(**off).status_code == 200
+    # OpenAI's nullable switches, null: off.
+    assert post(modalities=["text"], audio=None, stream=None, echo=None).status_code == 200
     # llama-server's n_predict is max_tokens, and wins over it there; -1 is no limit.
     r = httpx.post(
         chat_server.url + "/v1/completions",

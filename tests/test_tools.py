@@ -591,3 +591,25 @@ def test_checked_schemas_are_not_kept_whole() -> None:
     finally:
         tracemalloc.stop()
     assert kept < 4_000_000  # 16 MB of schemas checked
+
+
+def test_a_named_function_is_called_once_unless_parallel_calls_are_asked_for() -> None:
+    """As OpenAI, vLLM and llama-server answer a tool_choice that names a function."""
+    from specdec_native.openai_api import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice, parallel, one in (
+        (named, None, True),
+        (named, False, True),
+        (named, True, False),
+        ("required", None, False),
+        ("auto", None, False),
+        ("required", False, True),
+    ):
+        body = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+        body |= {"tool_choice": choice, "parallel_tool_calls": parallel}
+        tools_format = ChatCompletionRequest.model_validate(body).tool_format()
+        assert tools_format is not None and tools_format.parallel is not one
+        calls = json.dumps(tools_format.schema())
+        assert ('"maxItems": 1' in calls) is one

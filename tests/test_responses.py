@@ -1,0 +1,254 @@
+"""OpenAI's Responses API (POST /v1/responses) as its clients meet it: a real server process on
+a loopback port, the official `openai` client (create, parse, stream), LangChain's ChatOpenAI
+with use_responses_api, and httpx for bodies the client would not send."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import jsonschema  # type: ignore[import-untyped]
+import openai
+import pydantic
+import pytest
+from openai.types.responses import FunctionToolParam, Response
+from server_process import Server, start
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_q40: Path) -> Iterator[Server]:
+    server = start(smollm2_q40, "--draft", "ngram", "-c", "1024", "--model-alias", "smol")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+WEATHER: FunctionToolParam = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city today.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+def _raw(server: Server, **body: Any) -> dict[str, Any]:
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    Response.model_validate(out)  # every field the client's type requires, of its type
+    return out
+
+
+def test_a_response_is_the_chat_completion_it_maps_to(
+    server: Server, client: openai.OpenAI
+) -> None:
+    """instructions are the system message, input the user's; the text, usage and finish are
+    those of the chat completion of the same messages."""
+    r = client.responses.create(
+        model="smol",
+        instructions="Answer briefly.",
+        input="Name three colours.",
+        max_output_tokens=12,
+        temperature=0,
+    )
+    chat = client.chat.completions.create(
+        model="smol",
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Name three colours."},
+        ],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == "smol"
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage and chat.usage
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    finished = chat.choices[0].finish_reason
+    assert r.status == ("incomplete" if finished == "length" else "completed")
+    assert r.instructions == "Answer briefly." and r.max_output_tokens == 12
+    # Cut by max_output_tokens: incomplete, as OpenAI says it.
+    cut = _raw(server, input="Write a long story about a dragon.", max_output_tokens=4)
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["output"][0]["status"] == "incomplete" and cut["usage"]["output_tokens"] == 4
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+
+
+def test_parse_returns_the_text_formats_object(client: openai.OpenAI) -> None:
+    r = client.responses.parse(
+        model="smol",
+        input="Describe Paris as JSON.",
+        text_format=City,
+        max_output_tokens=80,
+        temperature=0,
+    )
+    assert r.status == "completed" and isinstance(r.output_parsed, City)
+    assert r.text and r.text.format and r.text.format.type == "json_schema"
+
+
+def test_a_function_call_round_trip(server: Server, client: openai.OpenAI) -> None:
+    """A call is an output item of its own; given back as input with its output, the next
+    response answers in text."""
+    question = "What is the weather in Paris?"
+    r = client.responses.create(
+        model="smol",
+        input=question,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=48,
+        temperature=0,
+    )
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_") and call.id and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    given: list[Any] = [
+        {"role": "user", "content": question},
+        call.model_dump(exclude_none=True),  # as the client read it
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C."},
+    ]
+    answered = client.responses.create(
+        model="smol",
+        input=given,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=16,
+        temperature=0,
+    )
+    assert [o.type for o in answered.output] == ["message"] and answered.output_text
+    # The prompt holds the call and its output: longer than the question and the call alone.
+    alone = _raw(server, input=question, tools=[WEATHER], tool_choice="none", max_output_tokens=1)
+    assert answered.usage and answered.usage.input_tokens > alone["usage"]["input_tokens"] + 10
+
+
+def test_a_streamed_response_is_the_same_response(server: Server, client: openai.OpenAI) -> None:
+    """The events are numbered in order, the text deltas (with their logprobs) make the text,
+    and the last event carries the response the same request gets unstreamed."""
+    asked: dict[str, Any] = {
+        "model": "smol",
+        "input": "Name three colours.",
+        "max_output_tokens": 16,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    whole = _raw(server, **asked)
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    last = events[-1]
+    assert last.type == f"response.{whole['status']}"
+    part = whole["output"][0]["content"][0]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == part["text"] == cast(Any, last).response.output_text
+    streamed = [p for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
+    assert part["logprobs"] and [p.token for p in streamed] == [
+        p["token"] for p in part["logprobs"]
+    ]
+    assert all(len(p["top_logprobs"]) == 2 for p in part["logprobs"])
+    # A call streamed: an item of its own, its arguments whole.
+    with client.responses.stream(
+        model="smol",
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+        temperature=0,
+    ) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert (
+        "response.function_call_arguments.done" in kinds
+        and "response.output_text.delta" not in kinds
+    )
+    assert [o.type for o in final.output] == ["function_call"]
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"input": "hi", "previous_response_id": "resp_1"}, "stores no responses"),
+        ({"input": "hi", "background": True}, "background"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "only text parts"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "not taken"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, "call_id, name and arguments"),
+        ({"input": []}, "at least one message"),
+        ({"instructions": "hi"}, "input"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "schema"),
+    ],
+)
+def test_bodies_it_cannot_answer_are_400s(server: Server, body: dict[str, Any], match: str) -> None:
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert match in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_langchain_agent_over_the_responses_api(server: Server) -> None:
+    """LangChain's ChatOpenAI with use_responses_api: a forced call, its result back as a
+    ToolMessage, then an answer in text."""
+    from langchain_core.messages import BaseMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    class Where(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=24)
+
+    @tool(args_schema=Where)
+    def get_weather(city: str) -> str:
+        """The weather in a city today."""
+        return f"Sunny in {city}."
+
+    llm = ChatOpenAI(
+        base_url=server.url + "/v1",
+        api_key="none",  # type: ignore[arg-type]
+        model="smol",
+        temperature=0,
+        max_completion_tokens=64,
+        max_retries=0,
+        use_responses_api=True,
+    )
+    messages: list[BaseMessage] = [HumanMessage("Weather in Oslo?")]
+    reply = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
+    messages += [reply, ToolMessage(get_weather.invoke(reply.tool_calls[0]["args"]),
+                                    tool_call_id=reply.tool_calls[0]["id"])]  # fmt: skip
+    answer = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    assert answer.text and not answer.tool_calls
+
+
+def test_the_openapi_schema_describes_the_responses_body(server: Server) -> None:
+    schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    body = schema["paths"]["/v1/responses"]["post"]["requestBody"]["content"]
+    fields = body["application/json"]["schema"]["properties"]
+    assert {"input", "instructions", "tools", "text", "max_output_tokens"} <= set(fields)
+    assert "ResponseTool" in schema["components"]["schemas"]
