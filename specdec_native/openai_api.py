@@ -8,6 +8,7 @@ breaks one is a `BodyError` naming the field, never an exception from deep insid
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Callable, Literal, Optional, TypeVar, Union
 
@@ -520,10 +521,18 @@ class TextFormat(_Body):
     """The Responses API's text.format: text, any JSON object, or JSON under a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
-    name: Optional[str] = Field(None, max_length=256)
+    name: Optional[str] = Field(None, max_length=256, description="json_schema's: needed")
     description: Optional[str] = None
-    json_schema: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+    json_schema: Optional[dict[str, Any]] = Field(
+        None, alias="schema", description="json_schema's: needed"
+    )
     strict: Optional[bool] = Field(None, description=STRICT_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _a_named_schema(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.json_schema is None):
+            raise ValueError("a json_schema format needs 'name' and 'schema'")
+        return self
 
 
 class TextConfig(_Body):
@@ -573,11 +582,16 @@ class ResponsesRequest(_Sampling):
                 )
         if self.background:
             raise ValueError("'background' is not taken: responses are answered at once")
+        if self.logprobs and self.tools and self.tool_choice != "none":
+            # The output's tokens are the tool format's: they are not the text's.
+            raise ValueError(f"{TEXT_LOGPROBS!r} is not given with tools")
         return self
 
     @property
     def logprobs(self) -> bool:
-        return self.top_logprobs is not None or TEXT_LOGPROBS in (self.include or [])
+        """Whether the text's logprobs are asked for (top_logprobs alone asks for none, as at
+        OpenAI)."""
+        return TEXT_LOGPROBS in (self.include or [])
 
     def chat(self) -> ChatCompletionRequest:
         """The chat request this asks for."""
@@ -612,7 +626,45 @@ class ResponsesRequest(_Sampling):
             body["response_format"] = {"type": fmt.type}
         if self.logprobs:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
-        return validated(body, ChatCompletionRequest)
+        try:
+            return validated(body, ChatCompletionRequest)
+        except BodyError as e:
+            raise in_responses_terms(e) from None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _a_known_choice(cls, choice: Any) -> Any:
+        if isinstance(choice, dict) and choice.get("type") != "function":
+            raise ValueError(
+                "is 'none', 'auto', 'required' or a function ({\"type\": \"function\", "
+                f'"name": ...}}), not {choice.get("type")!r}'
+            )
+        return choice
+
+
+# A chat request's names for what the Responses API names otherwise: the chat checks' errors
+# reach its clients in its own terms.
+_RESPONSES_TERMS = (
+    (re.compile(r"messages(\[\d+\])?"), "input"),
+    (
+        re.compile(r"response_format( of type json_schema needs json_schema\.schema)?"),
+        "text.format",
+    ),
+    (re.compile(r"(tools\[\d+\])\.function"), r"\1"),
+    (re.compile(r"max_completion_tokens"), "max_output_tokens"),
+)
+
+
+def in_responses_terms(e: Exception) -> Exception:
+    """A chat request's refusal (a BodyError, or a ValueError of the tools' reading) as the
+    Responses API request it was mapped from names it; other errors as they are."""
+    if not isinstance(e, (BodyError, ToolError)) and type(e) is not ValueError:
+        return e
+    message, param = (e.message, e.param) if isinstance(e, BodyError) else (str(e), None)
+    for pattern, name in _RESPONSES_TERMS:
+        message = pattern.sub(name, message)
+        param = None if param is None else pattern.sub(name, param)
+    return BodyError(message, param, e.status if isinstance(e, BodyError) else 400)
 
 
 def _response_messages(instructions: str | None, given: str | list[dict[str, Any]]) -> list[Any]:
@@ -650,7 +702,7 @@ def _response_message(i: int, item: Any) -> dict[str, Any] | None:
     where = f"'input[{i}]'"
     if not isinstance(item, dict):
         raise BodyError(f"{where}: each item is an object", "input")
-    kind = item.get("type", "message")
+    kind = item.get("type") or "message"  # EasyInputMessage: no type, or null
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "system", "developer", "assistant"):
@@ -659,17 +711,21 @@ def _response_message(i: int, item: Any) -> dict[str, Any] | None:
             )
         return {"role": role, "content": _input_text(where, item.get("content"))}
     if kind == "function_call":
-        call = {k: item.get(k) for k in ("call_id", "name", "arguments")}
+        call: dict[str, Any] = {k: item.get(k) for k in ("call_id", "name", "arguments")}
         if not all(isinstance(v, str) for v in call.values()):
             raise BodyError(
                 f"{where}: a function_call needs call_id, name and arguments (text)", "input"
             )
+        _check_call_id(where, call["call_id"])
+        if not 1 <= len(call["name"]) <= 64:
+            raise BodyError(f"{where}: a function's name has 1 to 64 characters", "input")
         function = {"name": call["name"], "arguments": call["arguments"]}
         tool_call = {"id": call["call_id"], "type": "function", "function": function}
         return {"role": "assistant", "content": None, "tool_calls": [tool_call]}
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise BodyError(f"{where}: a function_call_output needs call_id", "input")
+        _check_call_id(where, item["call_id"])
         output = _input_text(where, item.get("output"))
         return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
     if kind == "reasoning":
@@ -681,6 +737,11 @@ def _response_message(i: int, item: Any) -> dict[str, Any] | None:
     )
 
 
+def _check_call_id(where: str, call_id: str) -> None:
+    if not call_id or len(call_id) > 256:
+        raise BodyError(f"{where}: a call_id has 1 to 256 characters", "input")
+
+
 def _input_text(where: str, content: Any) -> str:
     """A message's or a tool output's content: text, or text parts (joined as lines)."""
     if isinstance(content, str):
@@ -688,12 +749,14 @@ def _input_text(where: str, content: Any) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         texts = []
         for part in content:
-            if part.get("type") not in _INPUT_TEXT or not isinstance(part.get("text"), str):
+            if part.get("type") not in _INPUT_TEXT:
                 raise BodyError(
                     f"{where}: only text parts are taken (input_text, output_text), got "
                     f"{part.get('type')!r}",
                     "input",
                 )
+            if not isinstance(part.get("text"), str):
+                raise BodyError(f"{where}: a text part's 'text' is a string", "input")
             texts.append(part["text"])
         return "\n".join(texts)
     raise BodyError(f"{where}: content is text or a list of text parts", "input")

@@ -53,6 +53,7 @@ from specdec_native.openai_api import (
     ResponsesRequest,
     TokenizeRequest,
     components_of,
+    in_responses_terms,
     openapi_body,
     parse_body,
     read_json,
@@ -885,6 +886,7 @@ class Server:
         if isinstance(raw, Response):
             return raw
         assert self.decoder is not None
+        ask: ResponsesRequest | None = None
         try:
             body, ask = parse_body(read_json(raw), endpoint)
             # Off the event loop: a chat template's rendering may take its time budget.
@@ -893,6 +895,8 @@ class Server:
             self.admit_more(len(jobs) - 1)
         except Exception as e:  # a bad body, or a chat template that cannot take the messages
             self.release()
+            if ask is not None:
+                e = in_responses_terms(e)  # the chat request's checks, in its own terms
             return self.refuse(rid, _refusal(e))
         except BaseException:  # this handler cancelled while the template rendered
             self.release()

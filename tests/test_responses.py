@@ -14,8 +14,10 @@ import jsonschema  # type: ignore[import-untyped]
 import openai
 import pydantic
 import pytest
-from openai.types.responses import FunctionToolParam, Response
+from openai.types.responses import EasyInputMessage, FunctionToolParam, Response
 from server_process import Server, start
+
+from specdec_native.openai_api import TEXT_LOGPROBS
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +206,13 @@ def test_a_streamed_response_is_the_same_response(server: Server, client: openai
         ({"input": []}, "at least one message"),
         ({"instructions": "hi"}, "input"),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "schema"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "'name'"),
+        ({"input": "hi", "include": [TEXT_LOGPROBS], "tools": [WEATHER]}, "not given with tools"),
+        ({"input": "hi", "tool_choice": {"type": "allowed_tools"}}, "not 'allowed_tools'"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "", "arguments": "{}"}]},
+            "1 to 64 characters",
+        ),
     ],
 )
 def test_bodies_it_cannot_answer_are_400s(server: Server, body: dict[str, Any], match: str) -> None:
@@ -211,6 +220,41 @@ def test_bodies_it_cannot_answer_are_400s(server: Server, body: dict[str, Any], 
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert match in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_errors_name_the_fields_the_client_sent(server: Server) -> None:
+    """Bodies the chat request they map to refuses: their errors name the Responses API's
+    fields, not the chat request's."""
+    bad_schema = {"type": "object", "properties": {"a": {"type": 5}}}
+    strict_only = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "not JSON"}
+    for body, param in (
+        ({"input": "hi", "tools": [{**WEATHER, "parameters": bad_schema}]}, "tools[0].parameters"),
+        (
+            {
+                "input": "hi",
+                "text": {
+                    "format": {
+                        "type": "json_schema", "name": "x", "strict": True,
+                        "schema": {"type": "object", "properties": {"a": strict_only},
+                                   "required": ["a"], "additionalProperties": False},
+                    }
+                },
+            },
+            "text.format",
+        ),
+        ({"input": [{"role": "user", "content": "hi"}, call], "tools": [WEATHER]}, "input"),
+    ):  # fmt: skip
+        r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param or param in error["message"], error
+        assert not any(chat in error["message"] for chat in ("messages", "response_format"))
+        assert ".function." not in error["message"], error
+    # The client's own input message, dumped whole (its unset fields null), is a message.
+    dumped = EasyInputMessage(role="user", content="Hi.").model_dump()
+    assert dumped["type"] is None
+    assert _raw(server, input=[dumped], max_output_tokens=2)["output"][0]["type"] == "message"
 
 
 def test_a_langchain_agent_over_the_responses_api(server: Server) -> None:
