@@ -278,7 +278,7 @@ class _Sampling(_Body):
 
 
 class _Generation(_Sampling):
-    """What both endpoints take."""
+    """What the chat and completion endpoints take."""
 
     model: Optional[str] = Field(None, max_length=256)
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)

@@ -10,7 +10,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
+from server_process import Server, start
 
 import specdec_native as sd
 from specdec_native import models
@@ -123,3 +125,16 @@ def tiny_decoder(tiny_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]
         tiny_pair.target, tiny_pair.draft, n_draft=3, n_ctx=256, n_threads=1
     ) as dec:
         yield dec
+
+
+@pytest.fixture(scope="module")
+def chat_server(smollm2_q40: Path) -> Iterator[Server]:
+    """SmolLM2 served with n-gram drafting as "smol" (a server per test module)."""
+    server = start(smollm2_q40, "--draft", "ngram", "-c", "1024", "--model-alias", "smol")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(chat_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0)

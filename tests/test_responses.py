@@ -5,8 +5,6 @@ with use_responses_api, and httpx for bodies the client would not send."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -15,21 +13,14 @@ import openai
 import pydantic
 import pytest
 from openai.types.responses import EasyInputMessage, FunctionToolParam, Response
-from server_process import Server, start
+from server_process import Server
 
 from specdec_native.openai_api import TEXT_LOGPROBS
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_q40: Path) -> Iterator[Server]:
-    server = start(smollm2_q40, "--draft", "ngram", "-c", "1024", "--model-alias", "smol")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+def server(chat_server: Server) -> Server:
+    return chat_server
 
 
 WEATHER: FunctionToolParam = {

@@ -28,19 +28,6 @@ from server_process import ROOT, Server, free_port, start, wait_ready
 import specdec_native as sd
 from specdec_native import models
 
-
-@pytest.fixture(scope="module")
-def chat_server(smollm2_q40: Path) -> Iterator[Server]:
-    server = start(smollm2_q40, "--draft", "ngram", "-c", "1024", "--model-alias", "smol")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(chat_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=chat_server.url + "/v1", api_key="none", max_retries=0)
-
-
 GREEDY_TARGET_ONLY = {"speculative": {"n_max": 0}}
 TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml-tools.jinja"
 
