@@ -690,6 +690,8 @@ def conversation(
             continue
         after_tool = False
         if role == "assistant" and calls:
+            if content:  # text the calls came with (another model's, say): its own message
+                out.append({"role": role, "content": content} | _named(name))
             listed = [{"name": c.name, "arguments": _arguments(c)} for c in calls]
             content = json.dumps({"tool_calls": listed}, ensure_ascii=False)
         out.append({"role": role, "content": content or ""} | _named(name))

@@ -144,6 +144,12 @@ def test_a_conversation_writes_calls_and_results_in_the_generic_format() -> None
         {"tool_call_id": "c2", "name": "mul", "content": "2"},  # its name, where given
     ]
     assert json.loads(out[4]["content"])["tool_response"]["tool_call_id"] == "c3"
+    # Text beside calls (as another model may have written them) is kept, before them.
+    said = conversation(
+        [Message("user", "x", [], None), Message("assistant", "On it.", calls, None)], None
+    )
+    assert [m["content"] for m in said[1:2]] == ["On it."]
+    assert json.loads(said[2]["content"])["tool_calls"][0]["name"] == "add"
 
 
 def test_a_template_that_takes_tools_and_writes_tags_is_hermes() -> None:
