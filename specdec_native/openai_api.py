@@ -564,6 +564,11 @@ class ResponsesRequest(_Sampling):
         None, description=f"{TEXT_LOGPROBS!r} gives the output text's logprobs; others: none"
     )
     metadata: Optional[dict[str, str]] = Field(None, description="given back as sent")
+    truncation: Optional[Literal["auto", "disabled"]] = Field(
+        None,
+        description="auto: an input too long for the context drops its oldest items (after "
+        "the system ones) until it fits; disabled (the default): it is a 400",
+    )
     previous_response_id: Optional[str] = Field(
         None, description="not taken: nothing is stored, send the conversation as input"
     )

@@ -98,7 +98,7 @@ def response_object(
         "tools": [t.model_dump() for t in ask.tools or []],
         "top_logprobs": ask.top_logprobs,
         "top_p": ask.top_p,
-        "truncation": "disabled",
+        "truncation": ask.truncation or "disabled",
         "usage": None if usage is None else _usage(usage),
         "user": None,
     }

@@ -60,6 +60,7 @@ from specdec_native.openai_api import (
     validated,
 )
 from specdec_native.tools import GENERIC, Streamed, ToolCall, ToolFormat
+from specdec_native.tools import Message as ToolMessage
 
 log = logging.getLogger("specdec.server")
 # The ids of a request's answer, by endpoint, as OpenAI's begin.
@@ -300,19 +301,29 @@ def _jobs(
     body: ChatCompletionRequest | CompletionRequest,
     decoder: SpeculativeDecoder,
     settings: ServerSettings,
+    fit: bool = False,
 ) -> list[Job]:
-    """Maps a validated body to its generations: one per choice, n for each prompt, in order."""
+    """Maps a validated body to its generations: one per choice, n for each prompt, in order.
+    `fit`: a chat too long for the context drops its oldest turns until it fits (the
+    Responses API's truncation "auto")."""
     syntax = decoder.tool_syntax if isinstance(body, ChatCompletionRequest) else GENERIC
     tools = body.tool_format(syntax, decoder.special_tokens(syntax.tags))
     constraint = body.constraint(tools)
     prompts: list[str | list[int]]
     if isinstance(body, ChatCompletionRequest):
-        messages, listed = syntax.chat([m.for_tools() for m in body.messages], tools)
-        prompts = [
-            decoder.apply_chat_template(
+        given = [m.for_tools() for m in body.messages]
+
+        def render(chat: list[ToolMessage]) -> str:
+            messages, listed = syntax.chat(chat, tools)
+            return decoder.apply_chat_template(
                 messages, tools=listed, chat_template_kwargs=body.chat_template_kwargs
             )
-        ]
+
+        prompt = render(given)
+        while fit and _too_long(decoder, prompt) and (shorter := _without_oldest_turn(given)):
+            given = shorter
+            prompt = render(given)
+        prompts = [prompt]
     else:
         prompts = body.prompts
     spec = body.speculative
@@ -351,6 +362,24 @@ def _jobs(
         )
         for i, prompt in enumerate(p for p in prompts for _ in range(n))
     ]
+
+
+def _too_long(decoder: SpeculativeDecoder, prompt: str) -> bool:
+    """Whether a prompt leaves the context no room to generate (the engine refuses it)."""
+    return len(decoder.tokenize(prompt, add_special=True, parse_special=True)) >= decoder.n_ctx
+
+
+def _without_oldest_turn(chat: list[ToolMessage]) -> list[ToolMessage] | None:
+    """The chat without its oldest message after the leading system ones (with the tool
+    results that answer it, none left without their call); None where only the last message
+    would be left."""
+    first = next((i for i, m in enumerate(chat) if m.role not in ("system", "developer")), None)
+    if first is None or first >= len(chat) - 1:
+        return None
+    end = first + 1
+    while end < len(chat) - 1 and chat[end].role == "tool":
+        end += 1
+    return chat[:first] + chat[end:]
 
 
 def _piece(raw: bytes) -> str | list[int]:
@@ -891,7 +920,8 @@ class Server:
             body, ask = parse_body(read_json(raw), endpoint)
             # Off the event loop: a chat template's rendering may take its time budget.
             loop = asyncio.get_running_loop()
-            jobs = await loop.run_in_executor(None, _jobs, body, self.decoder, self.settings)
+            fit = ask is not None and ask.truncation == "auto"
+            jobs = await loop.run_in_executor(None, _jobs, body, self.decoder, self.settings, fit)
             self.admit_more(len(jobs) - 1)
         except Exception as e:  # a bad body, or a chat template that cannot take the messages
             self.release()

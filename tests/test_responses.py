@@ -248,6 +248,28 @@ def test_errors_name_the_fields_the_client_sent(server: Server) -> None:
     assert _raw(server, input=[dumped], max_output_tokens=2)["output"][0]["type"] == "message"
 
 
+def test_truncation_auto_drops_the_oldest_turns_until_the_input_fits(server: Server) -> None:
+    """The server's context holds 1024 tokens; a conversation of about 2,000 is a 400, unless
+    truncation is "auto": then its oldest turns go (the instructions stay) until it fits."""
+    words = " ".join(f"word{i}" for i in range(60))
+    turns: list[Any] = []
+    for i in range(12):
+        turns += [
+            {"role": "user", "content": f"Note {i}: {words}"},
+            {"type": "function_call", "call_id": f"c{i}", "name": "get_weather",
+             "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": f"c{i}", "output": "Sunny."},
+        ]  # fmt: skip
+    turns.append({"role": "user", "content": "What was the last note?"})
+    body = {"input": turns, "instructions": "Be brief.", "max_output_tokens": 4}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    fitted = _raw(server, **body, truncation="auto")
+    assert fitted["truncation"] == "auto" and fitted["status"] in ("completed", "incomplete")
+    # As much as fits: more than a few turns, less than the context.
+    assert 500 < fitted["usage"]["input_tokens"] < 1024
+
+
 def test_a_langchain_agent_over_the_responses_api(server: Server) -> None:
     """LangChain's ChatOpenAI with use_responses_api: a forced call, its result back as a
     ToolMessage, then an answer in text."""
