@@ -320,9 +320,8 @@ def _jobs(
             )
 
         prompt = render(given)
-        while fit and _too_long(decoder, prompt) and (shorter := _without_oldest_turn(given)):
-            given = shorter
-            prompt = render(given)
+        if fit and _too_long(decoder, prompt):
+            prompt = _fitted(given, render, lambda p: _too_long(decoder, p))
         prompts = [prompt]
     else:
         prompts = body.prompts
@@ -369,17 +368,31 @@ def _too_long(decoder: SpeculativeDecoder, prompt: str) -> bool:
     return len(decoder.tokenize(prompt, add_special=True, parse_special=True)) >= decoder.n_ctx
 
 
-def _without_oldest_turn(chat: list[ToolMessage]) -> list[ToolMessage] | None:
-    """The chat without its oldest message after the leading system ones (with the tool
-    results that answer it, none left without their call); None where only the last message
-    would be left."""
-    first = next((i for i, m in enumerate(chat) if m.role not in ("system", "developer")), None)
-    if first is None or first >= len(chat) - 1:
-        return None
-    end = first + 1
-    while end < len(chat) - 1 and chat[end].role == "tool":
-        end += 1
-    return chat[:first] + chat[end:]
+def _fitted(
+    chat: list[ToolMessage],
+    render: Callable[[list[ToolMessage]], str],
+    too_long: Callable[[str], bool],
+) -> str:
+    """The prompt of `chat` without the fewest oldest turns that make it fit (the leading
+    system messages and the last turn kept; a call's results go with it, none is left without
+    its call): found by bisection, a few renderings however long the chat. Where none fits,
+    the shortest."""
+    system = next((i for i, m in enumerate(chat) if m.role not in ("system", "developer")), 0)
+    # Where each turn begins: a message that is not a call's result.
+    starts = [i for i in range(system, len(chat)) if chat[i].role != "tool"]
+    lo, hi = 1, len(starts) - 1  # how many turns to drop: hi leaves the last turn alone
+    if lo > hi:
+        return render(chat)
+    shortest = render(chat[:system] + chat[starts[hi] :])
+    if too_long(shortest):
+        return shortest
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if too_long(render(chat[:system] + chat[starts[mid] :])):
+            lo = mid + 1
+        else:
+            hi = mid
+    return render(chat[:system] + chat[starts[lo] :])
 
 
 def _piece(raw: bytes) -> str | list[int]:

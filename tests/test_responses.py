@@ -270,6 +270,29 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_input_fits(server: Ser
     assert 500 < fitted["usage"]["input_tokens"] < 1024
 
 
+def test_fitting_drops_the_fewest_oldest_turns_in_a_few_renderings() -> None:
+    from specdec_native.server import _fitted
+    from specdec_native.tools import Message, ToolCall
+
+    call = [ToolCall("f", "{}", "c")]
+    chat = [Message("system", "S", [], None)]
+    for i in range(500):
+        chat += [Message("user", f"u{i}", [], None), Message("assistant", None, call, None),
+                 Message("tool", f"t{i}", [], "c")]  # fmt: skip
+    renders: list[str] = []
+
+    def render(messages: list[Message]) -> str:
+        renders.append(text := " ".join(m.content or "call" for m in messages))
+        return text
+
+    kept = _fitted(chat, render, lambda text: len(text.split()) > 31).split()
+    # The system message, then whole turns from a user's message, as many as fit (10 of 3).
+    assert kept[:2] == ["S", "u490"] and len(kept) == 31 and kept[-1] == "t499"
+    assert len(renders) <= 2 + 2 * 11  # bisection over ~1,500 turns
+    # Where even the last turn does not fit: the shortest, a call kept with its result.
+    assert _fitted(chat, render, lambda text: True).split() == ["S", "call", "t499"]
+
+
 def test_a_langchain_agent_over_the_responses_api(server: Server) -> None:
     """LangChain's ChatOpenAI with use_responses_api: a forced call, its result back as a
     ToolMessage, then an answer in text."""
