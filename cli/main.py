@@ -1015,8 +1015,8 @@ def serve(
     **sampling: Any,
 ) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/responses,
-    /v1/models, /health, /metrics) with speculative decoding. Without TARGET, the embedded default pair.
-    The sampling options are what a request that leaves the field out gets."""
+    /v1/models, /health, /metrics) with speculative decoding. Without TARGET, the embedded
+    default pair. The sampling options are what a request that leaves the field out gets."""
     from specdec_native import SpeculativeDecoder, models
     from specdec_native.decoder import (
         DEFAULT_N_BATCH,

@@ -517,16 +517,12 @@ class ResponseToolChoice(_Body):
     name: str = Field(min_length=1, max_length=64)
 
 
-class TextFormat(_Body):
-    """The Responses API's text.format: text, any JSON object, or JSON under a schema."""
+class TextFormat(JsonSchemaFormat):
+    """The Responses API's text.format: text, any JSON object, or JSON under a schema (chat's
+    response_format.json_schema, flattened; its name and an object schema needed)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    name: Optional[str] = Field(None, max_length=256, description="json_schema's: needed")
-    description: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = Field(
-        None, alias="schema", description="json_schema's: needed"
-    )
-    strict: Optional[bool] = Field(None, description=STRICT_DESCRIPTION)
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
 
     @model_validator(mode="after")
     def _a_named_schema(self) -> TextFormat:
@@ -913,8 +909,12 @@ def validated(body: Any, model: type[Body]) -> Body:
         raise BodyError(f"'{param}': {msg}", param=param.split(".")[0].split("[")[0]) from None
 
 
+# The generating endpoints: /v1/chat/completions, /v1/completions, /v1/responses.
+Endpoint = Literal["chat", "completion", "response"]
+
+
 def parse_body(
-    body: Any, endpoint: str
+    body: Any, endpoint: Endpoint
 ) -> tuple[ChatCompletionRequest | CompletionRequest, ResponsesRequest | None]:
     """The body validated for `endpoint` ("chat", "completion" or "response"), as the request
     it asks for (a response's: the chat request it maps to, and itself); the first problem

@@ -133,8 +133,7 @@ class ResponseEvents:
     def __init__(self, ask: ResponsesRequest, rid: str, created: int, model: str) -> None:
         self.ask, self.rid, self.created, self.model = ask, rid, created, model
         self.sequence = 0
-        self.text = ""
-        self.logprobs: list[dict[str, Any]] = []
+        self.text = ""  # the message's, as streamed
         self.message = "none"  # "open", then "done"
         self.items = 0  # output items begun
 
@@ -163,7 +162,6 @@ class ResponseEvents:
         if delta.get("content"):
             events += self._open_message()
             self.text += delta["content"]
-            self.logprobs += logprobs
             events.append(
                 self._event(
                     "response.output_text.delta",
@@ -174,10 +172,9 @@ class ResponseEvents:
                     logprobs=logprobs,
                 )
             )
-        elif self.message == "open":
-            self.logprobs += logprobs
         for call in delta.get("tool_calls") or []:
-            events += self._close_message(self.text, self.logprobs)
+            # No logprobs beside tools (the request refuses them): the text alone.
+            events += self._close_message(self.text, [])
             events += self._call(call)
         return events
 

@@ -50,6 +50,7 @@ from specdec_native.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Endpoint,
     ResponsesRequest,
     TokenizeRequest,
     components_of,
@@ -64,7 +65,11 @@ from specdec_native.tools import Message as ToolMessage
 
 log = logging.getLogger("specdec.server")
 # The ids of a request's answer, by endpoint, as OpenAI's begin.
-RESPONSE_ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-", "response": "resp_"}
+RESPONSE_ID_PREFIX: dict[Endpoint, str] = {
+    "chat": "chatcmpl-",
+    "completion": "cmpl-",
+    "response": "resp_",
+}
 
 # /health says ready once the models are loaded and the warm-up is done, or this many seconds
 # into the warm-up, whichever is first: on a busy machine a warm-up can take minutes, and a
@@ -319,10 +324,10 @@ def _jobs(
                 messages, tools=listed, chat_template_kwargs=body.chat_template_kwargs
             )
 
-        prompt = render(given)
-        if fit and _too_long(decoder, prompt):
-            prompt = _fitted(given, render, lambda p: _too_long(decoder, p))
-        prompts = [prompt]
+        def fits(prompt: str) -> bool:
+            return not _too_long(decoder, prompt)
+
+        prompts = [_fitted(given, render, fits) if fit else render(given)]
     else:
         prompts = body.prompts
     spec = body.speculative
@@ -371,27 +376,28 @@ def _too_long(decoder: SpeculativeDecoder, prompt: str) -> bool:
 def _fitted(
     chat: list[ToolMessage],
     render: Callable[[list[ToolMessage]], str],
-    too_long: Callable[[str], bool],
+    fits: Callable[[str], bool],
 ) -> str:
-    """The prompt of `chat` without the fewest oldest turns that make it fit (the leading
-    system messages and the last turn kept; a call's results go with it, none is left without
-    its call): found by bisection, a few renderings however long the chat. Where none fits,
-    the shortest."""
+    """The prompt of `chat`, or, where it does not fit, of `chat` without the fewest oldest
+    turns that make it fit (the leading system messages and the last turn kept; a call's
+    results go with it, none is left without its call): found by bisection, a few renderings
+    however long the chat. Where none fits, the shortest."""
+    whole = render(chat)
     system = next((i for i, m in enumerate(chat) if m.role not in ("system", "developer")), 0)
     # Where each turn begins: a message that is not a call's result.
     starts = [i for i in range(system, len(chat)) if chat[i].role != "tool"]
     lo, hi = 1, len(starts) - 1  # how many turns to drop: hi leaves the last turn alone
-    if lo > hi:
-        return render(chat)
+    if fits(whole) or lo > hi:
+        return whole
     shortest = render(chat[:system] + chat[starts[hi] :])
-    if too_long(shortest):
+    if not fits(shortest):
         return shortest
     while lo < hi:
         mid = (lo + hi) // 2
-        if too_long(render(chat[:system] + chat[starts[mid] :])):
-            lo = mid + 1
-        else:
+        if fits(render(chat[:system] + chat[starts[mid] :])):
             hi = mid
+        else:
+            lo = mid + 1
     return render(chat[:system] + chat[starts[lo] :])
 
 
@@ -913,7 +919,7 @@ class Server:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         """A request to the endpoint `endpoint` reads as: "chat", "completion" or "response"
         (OpenAI's Responses API, answered as the chat request it maps to)."""
         arrived = time.monotonic()

@@ -634,11 +634,11 @@ def tool_format(
     choice = _choice(tool_choice, bool(functions))
     if choice == "none" or not functions:
         return None
-    if choice not in ("auto", "required") and choice not in names:
+    named = choice not in ("auto", "required")
+    if named and choice not in names:
         raise ToolError(f"tool_choice: no tool is named {choice!r}")
     # A named function is called once, as OpenAI, vLLM and llama-server answer it, unless
     # parallel_tool_calls asks for more.
-    named = choice not in ("auto", "required")
     parallel = parallel is True if named else parallel is not False
     return ToolFormat(functions, choice, parallel, response_schema, syntax, dict(tag_tokens or {}))
 

@@ -285,12 +285,12 @@ def test_fitting_drops_the_fewest_oldest_turns_in_a_few_renderings() -> None:
         renders.append(text := " ".join(m.content or "call" for m in messages))
         return text
 
-    kept = _fitted(chat, render, lambda text: len(text.split()) > 31).split()
+    kept = _fitted(chat, render, lambda text: len(text.split()) <= 31).split()
     # The system message, then whole turns from a user's message, as many as fit (10 of 3).
     assert kept[:2] == ["S", "u490"] and len(kept) == 31 and kept[-1] == "t499"
     assert len(renders) <= 2 + 2 * 11  # bisection over ~1,500 turns
     # Where even the last turn does not fit: the shortest, a call kept with its result.
-    assert _fitted(chat, render, lambda text: True).split() == ["S", "call", "t499"]
+    assert _fitted(chat, render, lambda text: False).split() == ["S", "call", "t499"]
 
 
 def test_a_langchain_agent_over_the_responses_api(server: Server) -> None:
