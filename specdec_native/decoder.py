@@ -805,12 +805,6 @@ class GenerationSettings:
         n_draft = d["n_draft"]
         seed, timeout, deadline = d["seed"], d["timeout"], d["deadline"]
         constraint = d["constraint"]
-        if constraint is not None and d["stop"]:
-            # A stop string would end structured output before its end, passed off as whole.
-            raise ValueError(
-                "stop strings cannot be combined with structured output (a JSON schema, "
-                "grammar, regex or tools): they would cut it short"
-            )
         return cls(
             constraint=None if constraint is None else _check_constraint(*constraint),
             logprobs=None
@@ -1395,9 +1389,11 @@ class SpeculativeDecoder:
         output is the target's distribution restricted to what the grammar allows, drafts
         included (the draft model's distribution is masked the same way; an n-gram copy is cut
         at its first token the grammar forbids). A grammar that does
-        not compile, or has no complete match, raises ValueError naming the problem, as does
-        ``stop`` beside a grammar (a stop string would cut it short); output the grammar could
-        not finish within ``max_tokens`` ends with finish_reason "length".
+        not compile, or has no complete match, raises ValueError naming the problem; output the
+        grammar could not finish within ``max_tokens`` ends with finish_reason "length". A
+        ``stop`` string ends the output where it appears under a grammar too, as OpenAI's
+        and llama-server's do (finish_reason "stop"): the structure is then cut where the
+        caller asked.
         ``logprobs=n`` (0-20) fills ``result.logprobs``: each token's log-probability under the
         target at its position (temperature 1, after logit_bias and penalties, masked by the
         grammar) and the n likeliest

@@ -961,9 +961,12 @@ def _streamed(client: openai.OpenAI, **request: object) -> dict[int, StreamedCho
     return choices
 
 
-@pytest.mark.parametrize("tool_choice,n", [("required", 1), ("auto", 1), ("required", 2)])
+@pytest.mark.parametrize(
+    "tool_choice,n,stop",
+    [("required", 1, None), ("auto", 1, None), ("required", 2, None), ("required", 1, "Rome")],
+)
 def test_streamed_tool_calls_are_the_same_as_unstreamed(
-    tools_at: ToolServer, tool_choice: str, n: int
+    tools_at: ToolServer, tool_choice: str, n: int, stop: str | None
 ) -> None:
     client = tools_at.client
     request = {
@@ -975,9 +978,12 @@ def test_streamed_tool_calls_are_the_same_as_unstreamed(
         "max_tokens": 100,
         "temperature": 0,
         "n": n,
+        "stop": stop,  # "Rome": a stop string that cuts the call (no call: its text as content)
         "extra_body": GREEDY_TARGET_ONLY,
     }
     whole = client.chat.completions.create(**request).choices  # type: ignore[call-overload]
+    if stop is not None:
+        assert [c.finish_reason for c in whole] == ["stop"] and not whole[0].message.tool_calls
     streamed = _streamed(client, **request)
     assert sorted(streamed) == list(range(n))
     for answer, (content, calls, finish) in zip(whole, [streamed[i] for i in range(n)]):
@@ -1301,7 +1307,6 @@ def test_structured_output_that_could_not_be_whole_is_refused(chat_server: Serve
         ({"grammar": 'start: "x" start'}, "no complete match"),  # forced on, without an end
         ({"response_format": {"type": "json_object"}, "json_schema": person}, "not both"),
         ({"tools": [tool], "tool_choice": "required"}, "type"),  # arguments are an object
-        ({"json_schema": person, "stop": [","]}, "stop strings"),  # it would cut the object
     ]
     for fields, message in cases:
         for stream in (False, True):
@@ -1321,6 +1326,39 @@ def test_structured_output_that_could_not_be_whole_is_refused(chat_server: Serve
                 assert r.status_code == 400, r.text
             assert error["type"] == "invalid_request_error", r.text
             assert message in error["message"] and "\n" not in error["message"], r.text
+
+
+def test_stop_strings_end_structured_output_where_they_appear(chat_server: Server) -> None:
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "maximum": 150},
+        },
+        "required": ["name", "age"],
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": person}}
+
+    def post(**fields: Any) -> dict[str, Any]:
+        body = {"messages": [{"role": "user", "content": "Ann, 31"}], "max_tokens": 40}
+        body.update(temperature=0, **GREEDY_TARGET_ONLY, **fields)
+        r = httpx.post(chat_server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choice: dict[str, Any] = r.json()["choices"][0]
+        return choice
+
+    whole = post(json_schema=person)["message"]["content"]
+    cut = post(json_schema=person, stop=[","])
+    assert cut["message"]["content"] == whole[: whole.index(",")]
+    assert cut["finish_reason"] == "stop"
+    # A stop string the output never holds (a client's chat-template stops) changes nothing.
+    tools = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+    calls = []
+    for stop in ([], ["\n\nUser:"]):
+        choice = post(**tools, max_tokens=80, stop=stop)
+        assert choice["finish_reason"] == "tool_calls", choice
+        calls.append([c["function"] for c in choice["message"]["tool_calls"]])
+    assert calls[0] == calls[1]
 
 
 def test_tokenize_and_detokenize_as_llama_server(chat_server: Server, smollm2_q40: Path) -> None:

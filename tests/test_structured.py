@@ -150,6 +150,15 @@ def test_output_cut_by_max_tokens_ends_with_length(deep: sd.SpeculativeDecoder) 
         json.loads(out.text)
 
 
+def test_a_stop_string_ends_structured_output_where_it_appears(deep: sd.SpeculativeDecoder) -> None:
+    # "," comes in the tokens the grammar forces after a value (`,"key":`), drafted together.
+    for k in (0, 3):
+        whole = deep.generate(PROMPT, 60, n_draft=k, json_schema=USER)
+        assert "," in whole.text, whole.text
+        cut = deep.generate(PROMPT, 60, n_draft=k, json_schema=USER, stop=[","])
+        assert cut.text == whole.text[: whole.text.index(",")] and cut.finish_reason == "stop"
+
+
 def test_forced_tokens_keep_to_the_batch_and_the_context_when_a_second_request_joins(
     smollm2: Path,
 ) -> None:
