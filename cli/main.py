@@ -350,6 +350,10 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
             f"{stats.accepted_by_grammar} / {stats.drafted_by_grammar}",
         ),
         (
+            "accepted/drafted by prediction",
+            f"{stats.accepted_by_prediction} / {stats.drafted_by_prediction}",
+        ),
+        (
             "steps by K drafted",
             " ".join(f"{k}:{n}" for k, n in enumerate(stats.steps_at_k) if n) or "-",
         ),
@@ -441,6 +445,13 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 )
 @click.option("--regex", default=None, help="The output matches this regular expression.")
 @click.option(
+    "--prediction",
+    "prediction_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The output expected (a file before its edit, say): drafts copy it where the output "
+    "keeps to it. Speed only: the output is the target's.",
+)
+@click.option(
     "--recalibrate",
     is_flag=True,
     help="With -k auto: measure this machine's decode costs afresh instead of using the stored ones.",
@@ -473,6 +484,7 @@ def run(
     json_schema_file: Path | None,
     grammar_file: Path | None,
     regex: str | None,
+    prediction_file: Path | None,
     recalibrate: bool,
     verbose: bool,
     **sampling: Any,
@@ -512,7 +524,8 @@ def run(
         ngram=ngram,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
-        n_draft=k if draft_arg is not None or ngram else 0,
+        # Without a draft model or n-grams, a K is a prediction's alone.
+        n_draft=k if draft_arg is not None or ngram or prediction_file else 0,
         n_ctx=n_ctx,
         n_batch=n_batch,
         n_threads=n_threads,
@@ -541,6 +554,7 @@ def run(
             json_schema=None if json_schema_file is None else _read_text(json_schema_file),
             grammar=None if grammar_file is None else _read_text(grammar_file),
             regex=regex,
+            prediction=None if prediction_file is None else _read_text(prediction_file),
             on_text=None if as_json else echo,
             **sampling,
         )
@@ -1075,14 +1089,14 @@ def serve(
         target, draft = pair.target, pair.draft
     configure_log(log_format)
     draft_arg = None if ngram else draft
-    has_drafter = draft_arg is not None or ngram or ngram_with_model  # --ngram alone: n-grams
     settings = ServerSettings(
         model_alias=model_alias or target.name.removesuffix(".gguf"),
         api_key=api_key,  # an empty one was refused above
         n_parallel=n_parallel,
         max_queue=max_queue,
         request_timeout=request_timeout,
-        n_draft=k if has_drafter else 0,
+        # Without a draft model or n-grams, a K is for the requests that bring a prediction.
+        n_draft=k,
         grace=grace,
         sampling=SamplingDefaults(**sampling),
         ngram_index_file=ngram_index_file,

@@ -288,6 +288,7 @@ PYBIND11_MODULE(_core, m) {
         .def_readwrite("repeat_penalty", &GenerateRequest::repeat_penalty)
         .def_readwrite("repeat_last_n", &GenerateRequest::repeat_last_n)
         .def_readwrite("ngram_index", &GenerateRequest::ngram_index)
+        .def_readwrite("prediction", &GenerateRequest::prediction)
         .def_readwrite("ignore_eos", &GenerateRequest::ignore_eos)
         .def_readwrite("prompt_logprobs", &GenerateRequest::prompt_logprobs)
         .def_property(

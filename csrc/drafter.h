@@ -11,8 +11,10 @@
 namespace specdec {
 
 // kGrammar: the tokens a request's grammar forces next (a point mass each, like an n-gram's).
-// kIndex: a copy from earlier requests' outputs (SharedNgramIndex); kNgram copies its own text.
-enum class DraftSource { kModel = 0, kNgram = 1, kGrammar = 2, kIndex = 3 };
+// kIndex: a copy from earlier requests' outputs (SharedNgramIndex); kNgram copies its own text;
+// kPrediction copies the output the caller expects (Prediction).
+enum class DraftSource { kModel = 0, kNgram = 1, kGrammar = 2, kIndex = 3, kPrediction = 4 };
+constexpr int kDraftSources = 5;
 
 struct Draft {
     DraftSource source = DraftSource::kModel;

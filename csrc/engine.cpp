@@ -234,6 +234,7 @@ void Engine::check_request(const GenerateRequest& request) const {
     if (request.prompt.empty()) throw std::invalid_argument("the prompt has no tokens");
     for (const auto& entry : request.logit_bias) check_tokens({entry.first});
     check_tokens(request.prompt);
+    check_tokens(request.prediction);
     const int n_ctx = std::min(target_->n_ctx(), draft_ ? draft_->n_ctx() : target_->n_ctx());
     if (static_cast<int>(request.prompt.size()) >= n_ctx)
         throw ContextOverflowError("the prompt has " + std::to_string(request.prompt.size()) +

@@ -45,11 +45,19 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
       n_draft_(req_.n_draft >= 0 ? req_.n_draft : parts.default_n_draft),
       constraint_(std::move(channel_->constraint)) {
     if (!req_.ngram_index) parts_.index = nullptr;
-    const bool can_draft = parts_.drafter != nullptr || parts_.ngram;
+    const bool engine_drafts = parts_.drafter != nullptr || parts_.ngram;
     if (parts_.ngram) ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
-    if (!can_draft) n_draft_ = 0;
-    adaptive_ = speculates_adaptively(req_, can_draft);
-    if (req_.adaptive && can_draft && !adaptive_) {
+    if (!req_.prediction.empty()) {
+        // Past the context the output cannot go: the rest would only cost memory.
+        const auto n = std::min(req_.prediction.size(), static_cast<size_t>(parts_.target.n_ctx()));
+        prediction_.emplace(
+            std::vector<llama_token>(req_.prediction.begin(),
+                                     req_.prediction.begin() + static_cast<long>(n)),
+            parts_.ngram_min, parts_.ngram_max);
+    }
+    if (!can_draft(req_, engine_drafts)) n_draft_ = 0;
+    adaptive_ = speculates_adaptively(req_, engine_drafts);
+    if (req_.adaptive && can_draft(req_, engine_drafts) && !adaptive_) {
         n_draft_ = 0;
         stats().fallback_reason = "short request";
     }
@@ -188,26 +196,33 @@ int Generation::plan_cap() const {
     return model_cap(cap_);
 }
 
-// Under `auto`, an n-gram match (in the request's own text or in the shared index, whichever
-// is expected to commit faster) is drafted when copying it is expected to commit tokens faster
-// than target-only and than the draft model's best K: each step uses the better proposal.
+// Under `auto`, a copy (of the request's own text, of the shared index or of the prediction,
+// whichever is expected to commit faster) is drafted when copying it is expected to commit
+// tokens faster than target-only and than the draft model's best K: each step uses the better
+// proposal.
 bool Generation::choose_copy(int cap) {
     copying_ = false;
-    if (!ngram_ || !policy_.calibrated() || cap <= 0) return false;
-    match_ = ngram_->match(seq_);
-    from_index_ = false;
-    auto [best, best_rate] = best_copy(copy_, match_, cap);
-    if (parts_.index) {
-        const NgramMatch shared = parts_.index->match(seq_);
-        const int steady = parts_.index->steady_length(shared, cap);
-        const auto [k, rate] = best_copy(parts_.index->copy_policy(), shared, steady);
+    if ((!ngram_ && !prediction_) || !policy_.calibrated() || cap <= 0) return false;
+    int best = 0;
+    double best_rate = 0.0;
+    const auto consider = [&](DraftSource from, const CopyPolicy& copy, NgramMatch m, int k_cap) {
+        const auto [k, rate] = best_copy(copy, m, k_cap);
         if (k > 0 && rate > best_rate) {
             best = k;
             best_rate = rate;
-            match_ = shared;
-            from_index_ = true;
+            match_ = m;
+            copy_from_ = from;
         }
+    };
+    if (ngram_) consider(DraftSource::kNgram, copy_, ngram_->match(seq_), cap);
+    if (ngram_ && parts_.index) {
+        const NgramMatch shared = parts_.index->match(seq_);
+        const int steady = parts_.index->steady_length(shared, cap);
+        consider(DraftSource::kIndex, parts_.index->copy_policy(), shared, steady);
     }
+    if (prediction_)
+        consider(DraftSource::kPrediction, prediction_copy_,
+                 prediction_->match(seq_, req_.prompt.size()), cap);
     if (best == 0) return false;
     if (parts_.drafter) {
         for (double rate : policy_.expected_rates(model_cap(cap)))
@@ -279,19 +294,36 @@ bool Generation::draft_forced() {
 }
 
 bool Generation::draft_by_ngram() {
-    if (k_ == 0 || !ngram_ || (adaptive_ && !copying_)) return false;
+    if (k_ == 0 || (!ngram_ && !prediction_) || (adaptive_ && !copying_)) return false;
     const auto start = Clock::now();
-    if (copying_ && from_index_)  // k_ is within the steady length choose_copy measured
-        parts_.index->copy(match_, k_, draft_);
-    else if (copying_)
-        NgramDrafter::propose(seq_, match_, k_, draft_);
+    if (copying_)
+        copy_chosen();
     else
-        ngram_->propose(seq_, k_, draft_);
-    // A fixed K copies from the request's own text first, then from earlier outputs.
-    if (draft_.tokens.empty() && !copying_ && parts_.index)
-        parts_.index->propose(parts_.index->match(seq_), k_, draft_);
+        copy_first_found();
     t_draft_step_ = seconds_since(start);
     return !draft_.tokens.empty();
+}
+
+void Generation::copy_chosen() {
+    switch (copy_from_) {
+        case DraftSource::kIndex:  // k_ is within the steady length choose_copy measured
+            parts_.index->copy(match_, k_, draft_);
+            break;
+        case DraftSource::kPrediction:
+            prediction_->copy(match_, k_, draft_);
+            break;
+        default:
+            NgramDrafter::propose(seq_, match_, k_, draft_);
+    }
+}
+
+// A fixed K copies from the prediction first, then from the request's own text, then from
+// earlier outputs.
+void Generation::copy_first_found() {
+    if (prediction_) prediction_->copy(prediction_->match(seq_, req_.prompt.size()), k_, draft_);
+    if (draft_.tokens.empty() && ngram_) ngram_->propose(seq_, k_, draft_);
+    if (draft_.tokens.empty() && ngram_ && parts_.index)
+        parts_.index->propose(parts_.index->match(seq_), k_, draft_);
 }
 
 bool Generation::drafts_argmax() const {
@@ -351,7 +383,7 @@ void Generation::drafted(double seconds) {
     stats().t_draft += t_draft_step_;
 }
 
-void Generation::count_by_source(int (&by)[4], int n) const {
+void Generation::count_by_source(int (&by)[kDraftSources], int n) const {
     const int forced = std::min(n, draft_.forced);
     by[static_cast<int>(DraftSource::kGrammar)] += forced;
     if (draft_.source != DraftSource::kGrammar) by[static_cast<int>(draft_.source)] += n - forced;

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "batch.h"
@@ -26,6 +27,7 @@
 #include "ngram_drafter.h"
 #include "ngram_index.h"
 #include "policy.h"
+#include "prediction.h"
 #include "sampling.h"
 #include "stats.h"
 #include "text_stream.h"
@@ -88,6 +90,9 @@ struct GenerateRequest {
     // false: the request neither drafts from the engine's shared n-gram index nor adds its
     // output to it (its own text's n-gram drafts stay).
     bool ngram_index = true;
+    // The output the caller expects (OpenAI's predicted outputs), drafted by copying it where
+    // the output keeps to it; empty: none.
+    std::vector<llama_token> prediction;
     // true: the target's end-of-generation tokens are masked out (llama.cpp's ignore_eos), so
     // the request runs to max_tokens, a stop string or a full context. Not with a grammar,
     // whose only way to end is such a token.
@@ -190,10 +195,15 @@ class Generation {
   public:
     // Requests shorter than this are not worth drafting for in adaptive mode.
     static constexpr int kMinTokensToSpeculate = 4;
+    // Whether the request has something to draft with: the engine's draft model or n-gram
+    // copies (`engine_drafts`), or its own prediction.
+    static bool can_draft(const GenerateRequest& r, bool engine_drafts) {
+        return engine_drafts || !r.prediction.empty();
+    }
     // Whether `auto` chooses this request's K (it asks for it, something can draft, and it is
     // long enough to be worth it).
-    static bool speculates_adaptively(const GenerateRequest& r, bool can_draft) {
-        return r.adaptive && can_draft && r.max_tokens >= kMinTokensToSpeculate;
+    static bool speculates_adaptively(const GenerateRequest& r, bool engine_drafts) {
+        return r.adaptive && can_draft(r, engine_drafts) && r.max_tokens >= kMinTokensToSpeculate;
     }
 
     Generation(const EngineParts& parts, std::shared_ptr<RequestChannel> channel, llama_seq_id seq,
@@ -276,7 +286,7 @@ class Generation {
     void count_verdict(llama_token token);
     // Adds n of this step's draft tokens, from the first, to `by` (per DraftSource): the
     // forced ones to the grammar, the rest to the draft's source.
-    void count_by_source(int (&by)[4], int n) const;
+    void count_by_source(int (&by)[kDraftSources], int n) const;
     // Appends [last, d1..dK] to the target's batch, logits on every row but those scoring a
     // certain forced token.
     void add_verify_rows(Batch& batch);
@@ -312,13 +322,24 @@ class Generation {
     // sequence.
     void size_room(int row_cap);
     bool choose_copy(int cap);
+    void copy_chosen();
+    void copy_first_found();
     // The K that commits tokens fastest copying `m` under `copy` (0: target-only is faster), and
     // its expected rate.
     std::pair<int, double> best_copy(const CopyPolicy& copy, NgramMatch m, int cap);
-    // The policy of this step's copy: the request's own, or the shared index's.
-    CopyPolicy& copy_policy() { return from_index_ ? parts_.index->copy_policy() : copy_; }
+    // The policy of this step's copy: the request's own, the shared index's or the prediction's.
+    CopyPolicy& copy_policy() {
+        return const_cast<CopyPolicy&>(std::as_const(*this).copy_policy());
+    }
     const CopyPolicy& copy_policy() const {
-        return from_index_ ? parts_.index->copy_policy() : copy_;
+        switch (copy_from_) {
+            case DraftSource::kIndex:
+                return parts_.index->copy_policy();
+            case DraftSource::kPrediction:
+                return prediction_copy_;
+            default:
+                return copy_;
+        }
     }
     int model_cap(int cap) const;
     void drop_drafting(const std::string& why);
@@ -351,8 +372,11 @@ class Generation {
     TextStream text_;
     std::optional<NgramDrafter> ngram_;
     CopyPolicy copy_;
-    NgramMatch match_;                   // this step's, when copying
-    bool from_index_ = false;            // match_ is in the shared index, not in seq_
+    std::optional<Prediction> prediction_;
+    CopyPolicy prediction_copy_;
+    NgramMatch match_;  // this step's, when copying
+    // What match_ indexes: kNgram seq_, kIndex the shared index, kPrediction the prediction.
+    DraftSource copy_from_ = DraftSource::kNgram;
     bool copying_ = false;               // this step drafts an n-gram copy chosen by copy_
     std::vector<double> copy_expected_;  // copy_'s expected tokens for K = 0..cap
     int n_draft_;

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "drafter.h"
+
 namespace specdec {
 
 struct Stats {
@@ -25,9 +27,10 @@ struct Stats {
     int n_shared_steps = 0;          // steps whose target decode held other requests' rows too
     bool recalibrated = false;       // its steps found the costs off; they were measured again
     std::vector<int> steps_at_k;     // [k]: steps that drafted k tokens
-    int drafted_by[4] = {0, 0, 0, 0};  // by DraftSource: model, n-gram, grammar, shared index
-    int n_argmax_drafted = 0;          // sampling: model drafts that were q's argmax (point masses)
-    int accepted_by[4] = {0, 0, 0, 0};
+    // by DraftSource: model, n-gram, grammar, shared index, prediction
+    int drafted_by[kDraftSources] = {};
+    int n_argmax_drafted = 0;  // sampling: model drafts that were q's argmax (point masses)
+    int accepted_by[kDraftSources] = {};
     std::vector<int> accepted_at;  // [i]: times draft position i+1 was accepted
     std::vector<int> proposed_at;  // [i]: times draft position i+1 was proposed
     double t_queue = 0.0;          // seconds: waiting for the engine (another call ran)
@@ -75,6 +78,8 @@ struct Stats {
         field("accepted_by_grammar", accepted_by[2]);
         field("drafted_by_index", drafted_by[3]);
         field("accepted_by_index", accepted_by[3]);
+        field("drafted_by_prediction", drafted_by[4]);
+        field("accepted_by_prediction", accepted_by[4]);
         field("n_argmax_drafted", n_argmax_drafted);
         field("accepted_at", accepted_at);
         field("proposed_at", proposed_at);

@@ -28,7 +28,10 @@ over the trace's requests; each round runs every server once, rotated; tokens dr
 accepted. llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds
 specdec's shared index served by each of two builds ("build OLD, shared index", ...; folders
 that each hold a built `specdec_native` package, as for scripts/bench_zoo_ab.py), to judge a
-change side by side (`--servers build` runs those alone).
+change side by side (`--servers build` runs those alone). On the traces that re-emit a file
+(edit, config), "specdec, ... + prediction" sends the file as it was before the change as the
+request's `prediction` (OpenAI's predicted outputs: what an editor knows), to a server with the
+shared index and to one with no drafter of its own.
 """
 
 from __future__ import annotations
@@ -236,11 +239,15 @@ PROSE = [
 ]
 
 
+FILE_GIVEN = "Here is the file:\n\n"
+CHANGE_ASKED = "\nApply this change and output the whole file: "
+
+
 def edit_trace(text: str = MODULE, edits: list[tuple[str, str, str]] = EDITS) -> list[Messages]:
     """One request per edit, each on the file as the edits before it left it."""
     out = []
     for old, new, say in edits:
-        ask = f"Here is the file:\n\n{text}\nApply this change and output the whole file: {say}"
+        ask = f"{FILE_GIVEN}{text}{CHANGE_ASKED}{say}"
         out.append([{"role": "user", "content": ask}])
         if text.count(old) != 1:
             raise ValueError(f"the edit {say!r} does not apply once")
@@ -325,15 +332,30 @@ TRACES: dict[str, Callable[[], list[Messages]]] = {
 TRACE_TOKENS = {"edit": 224, "config": 128}
 
 
+def predicted_file(messages: Messages) -> str | None:
+    """The file an edit request gives, as it was before the change; None for other requests."""
+    ask = messages[-1]["content"]
+    if not ask.startswith(FILE_GIVEN) or CHANGE_ASKED not in ask:
+        return None
+    return ask[len(FILE_GIVEN) :].split(CHANGE_ASKED)[0]
+
+
 def serve_trace(
-    url: str, trace: list[Messages], n: int, extras: dict[str, Any] | None = None
+    url: str,
+    trace: list[Messages],
+    n: int,
+    extras: dict[str, Any] | None = None,
+    predict: bool = False,
 ) -> dict[str, float]:
-    """The trace's requests in order: generated tokens, generation seconds, drafted, accepted."""
+    """The trace's requests in order: generated tokens, generation seconds, drafted, accepted.
+    `predict`: each edit request brings its file as its prediction."""
     total = {"tokens": 0.0, "seconds": 0.0, "drafted": 0.0, "accepted": 0.0, "index": 0.0}
-    total["grammar"] = 0.0
+    total["grammar"] = total["prediction"] = 0.0
     for messages in trace:
         body = {"messages": messages, "max_tokens": n, "temperature": 0, "seed": 0}
         body.update(extras or {})
+        if predict and (file := predicted_file(messages)) is not None:
+            body["prediction"] = {"type": "content", "content": file}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
         r.raise_for_status()
         t = r.json()["timings"]
@@ -343,6 +365,7 @@ def serve_trace(
         total["accepted"] += t.get("draft_n_accepted", 0)
         total["index"] += t.get("draft_n_accepted_by_source", {}).get("index", 0)
         total["grammar"] += t.get("draft_n_accepted_by_source", {}).get("grammar", 0)
+        total["prediction"] += t.get("draft_n_accepted_by_source", {}).get("prediction", 0)
     return total
 
 
@@ -352,6 +375,11 @@ BUILD_BOOT = (
     "sys.path.insert(0, sys.argv.pop(1)); sys.argv[0] = 'specdec-cli'; "
     "from cli.main import main; main()"
 )
+
+
+# The servers whose edit requests bring their file as their prediction: one with the shared
+# index, one without a drafter of its own (the prediction is all it drafts).
+PREDICTING = ("specdec, shared index + prediction", "specdec, prediction alone")
 
 
 def servers(
@@ -373,6 +401,8 @@ def servers(
             *spec, "--ngram-index-mb", "0", "--port", str(port),
         ],
         "specdec, target only": lambda port: [*spec, "-k", "0", "--port", str(port)],
+        PREDICTING[0]: lambda port: [*spec, "--port", str(port)],
+        PREDICTING[1]: lambda port: [*spec[:spec.index("--draft")], "--port", str(port)],
         "llama-server, no draft": lambda port: [*llama, "--port", str(port)],
     }  # fmt: skip
 
@@ -438,7 +468,8 @@ def main() -> None:
                 for trace, requests in traces.items():
                     start = time.monotonic()
                     n = args.n or TRACE_TOKENS.get(trace, 64)
-                    result = serve_trace(url, requests, n, BODY_EXTRAS.get(trace))
+                    predict = name in PREDICTING
+                    result = serve_trace(url, requests, n, BODY_EXTRAS.get(trace), predict)
                     result["wall"] = time.monotonic() - start
                     rows.setdefault((trace, name), []).append(result)
                     rate = result["tokens"] / result["seconds"]
@@ -454,9 +485,9 @@ def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, 
     print(f"\n{args.target.name}, traces of 20 chat requests, greedy, up to {most} tokens each")
     print(
         "| trace | server | tok/s (median) | rounds | accepted / drafted | from the index "
-        "| forced by the grammar |"
+        "| forced by the grammar | from the prediction |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     out: list[dict[str, Any]] = []
     for (trace, name), results in rows.items():
         rates = [x["tokens"] / x["seconds"] for x in results]
@@ -465,7 +496,7 @@ def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, 
             f"| {trace} | {name} | {statistics.median(rates):.1f} "
             f"| {', '.join(f'{x:.1f}' for x in rates)} "
             f"| {last['accepted']:.0f} / {last['drafted']:.0f} | {last['index']:.0f} "
-            f"| {last.get('grammar', 0):.0f} |"
+            f"| {last.get('grammar', 0):.0f} | {last.get('prediction', 0):.0f} |"
         )
         most = args.n or TRACE_TOKENS.get(trace, 64)
         out.append({"trace": trace, "server": name, "max_tokens": most, "rounds": results})

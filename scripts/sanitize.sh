@@ -26,5 +26,5 @@ LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.
     tests/test_generation.py tests/test_ngram.py tests/test_parallel.py tests/test_requests.py \
     tests/test_errors.py tests/test_callbacks.py tests/test_policy.py tests/test_cost_curve.py \
     tests/test_sampling_math.py tests/test_damaged_models.py tests/test_rate_check.py \
-    tests/test_structured.py \
+    tests/test_structured.py tests/test_prediction.py \
     -k "not distribution" "$@"

@@ -42,6 +42,7 @@ class Request:
     repeat_penalty: float
     repeat_last_n: int
     ngram_index: bool
+    prediction: list[int]  # token ids of the output the caller expects; empty: none
     ignore_eos: bool
     prompt_logprobs: int  # -1: none; n: each prompt token's (but the first) and n alternatives'
     logprobs: int  # -1: none; n: the token's and its n most likely alternatives'

@@ -122,6 +122,8 @@ class Stats:
     accepted_by_grammar: int
     drafted_by_index: int  # copied from earlier requests' outputs (the shared n-gram index)
     accepted_by_index: int
+    drafted_by_prediction: int  # copied from the output the caller predicted
+    accepted_by_prediction: int
     n_argmax_drafted: int  # sampling: model drafts that were the draft's argmax (point masses)
     accepted_at: list[int]
     proposed_at: list[int]
@@ -277,6 +279,17 @@ def _check_float(
     if v != 0 and not FLOAT32_TINY <= abs(v) <= FLOAT32_MAX:
         raise ValueError(f"{name} is {v!r}: too far from 1 for a 32-bit float")
     return v
+
+
+def _check_prediction(value: Any) -> str | tuple[int, ...]:
+    """A prediction: text, or token ids (None: none)."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, (bytes, bytearray, memoryview)) or not isinstance(value, Iterable):
+        raise ArgumentTypeError(
+            f"prediction must be str or a list of token ids, got {type(value).__name__}"
+        )
+    return tuple(_check_int("prediction token", t, 0) for t in value)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -789,6 +802,8 @@ class GenerationSettings:
     ngram_index: bool = True  # False: neither drafts from the shared index nor adds to it
     ignore_eos: bool = False  # True: end-of-generation tokens are never generated
     prompt_logprobs: int | None = None  # n: each prompt token's (but the first) and n others'
+    # The output the caller expects, drafted by copying it: text, or token ids ("": none).
+    prediction: str | tuple[int, ...] = ""
 
     @classmethod
     def checked(cls, **given: Any) -> GenerationSettings:
@@ -822,6 +837,7 @@ class GenerationSettings:
             prompt_logprobs=None
             if d["prompt_logprobs"] is None
             else _check_int("prompt_logprobs", d["prompt_logprobs"], 0, MAX_TOP_LOGPROBS),
+            prediction=_check_prediction(d["prediction"]),
             max_tokens=_check_int("max_tokens", d["max_tokens"]),
             temperature=_check_float("temperature", d["temperature"]),
             top_k=_check_int("top_k", d["top_k"]),
@@ -1328,6 +1344,13 @@ class SpeculativeDecoder:
             tokens = [_check_int("prompt token", t, 0) for t in prompt]
         return tokens
 
+    def _prediction_tokens(self, prediction: str | tuple[int, ...]) -> list[int]:
+        """A prediction's tokens as the output would spell them: no BOS, special tokens as
+        text."""
+        if isinstance(prediction, str):
+            return self.tokenize(prediction, add_special=False) if prediction else []
+        return list(prediction)
+
     def generate(
         self,
         prompt: Prompt,
@@ -1357,6 +1380,7 @@ class SpeculativeDecoder:
         ngram_index: bool = True,
         ignore_eos: bool = False,
         prompt_logprobs: Integer | None = None,
+        prediction: str | Sequence[int] | None = None,
         on_text: Callable[[str], None] | None = None,
         on_start: Callable[[], None] | None = None,
         cancel: _core.CancelFlag | None = None,
@@ -1416,6 +1440,11 @@ class SpeculativeDecoder:
         tokens', under the target model's own distribution (temperature 1, before logit_bias,
         penalties and any grammar): what a scorer or a perplexity wants. The prompt is then
         read whole, without a cached prefix.
+        ``prediction`` (text or token ids; OpenAI's predicted outputs) is the output the caller
+        expects, a file's text before an edit, say: drafts copy it where the output keeps to it
+        (point masses, so the output is the target's, whatever the prediction), on any decoder,
+        one without a draft model or n-gram drafting too. ``stats.drafted_by_prediction`` and
+        ``accepted_by_prediction`` count its tokens.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(
@@ -1441,6 +1470,7 @@ class SpeculativeDecoder:
             ngram_index=ngram_index,
             ignore_eos=ignore_eos,
             prompt_logprobs=prompt_logprobs,
+            prediction=prediction,
         )
         return self.run(prompt, settings, on_text=on_text, on_start=on_start, cancel=cancel)
 
@@ -1473,6 +1503,7 @@ class SpeculativeDecoder:
         if first_adaptive:
             self._load_calibration(engine)
         request = settings.engine_request(tokens, self._adaptive, cancel)
+        request.prediction = self._prediction_tokens(settings.prediction)
         out = engine.generate(
             request,
             on_text,

@@ -277,6 +277,24 @@ class _Sampling(_Body):
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
 
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Body):
+    """OpenAI's predicted outputs: the output the client expects (a file before its edit)."""
+
+    type: Literal["content"]
+    content: Union[str, list[TextPart]]
+
+    @property
+    def text(self) -> str:
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
+
+
 class _Generation(_Sampling):
     """What the chat and completion endpoints take."""
 
@@ -303,6 +321,11 @@ class _Generation(_Sampling):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    prediction: Optional[Prediction] = Field(
+        None,
+        description="the output expected, drafted by copying it where the output keeps to it "
+        "(speed only: the output is the model's whatever it says)",
+    )
 
     def tool_format(
         self, syntax: ToolSyntax = GENERIC, tag_tokens: Mapping[str, int] | None = None

@@ -145,7 +145,7 @@ class RequestError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-DRAFT_SOURCES = ("model", "ngram", "index", "grammar")  # each stats.drafted_by_<source>
+DRAFT_SOURCES = ("model", "ngram", "index", "grammar", "prediction")  # stats.drafted_by_*
 
 
 class Metrics:
@@ -172,7 +172,8 @@ class Metrics:
         self.draft_tokens_by_source = Counter(
             "specdec:draft_tokens_by_source",
             "Draft tokens proposed, by source: model, ngram (the request's own text), index "
-            "(earlier requests' outputs), grammar (forced tokens)",
+            "(earlier requests' outputs), grammar (forced tokens), prediction (the output a "
+            "request predicted)",
             ["source"],
             registry=r,
         )
@@ -351,6 +352,7 @@ def _jobs(
         ngram_index=body.ngram_index,
         ignore_eos=body.ignore_eos,
         prompt_logprobs=body.n_logprobs if echo else None,
+        prediction=body.prediction.text if body.prediction else None,
     )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     n = body.n or 1
@@ -610,6 +612,10 @@ def _total_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "prompt_tokens_details": {
             "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages[::n])
         },
+        "completion_tokens_details": {
+            key: sum(u["completion_tokens_details"][key] for u in usages)
+            for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")
+        },
     }
 
 
@@ -618,13 +624,18 @@ def _finish_reason(result: GenerationResult) -> str:
     return "stop" if result.finish_reason == "stop" else "length"
 
 
-def _usage(result: GenerationResult) -> dict[str, int]:
+def _usage(result: GenerationResult) -> dict[str, Any]:
     s = result.stats
     return {
         "prompt_tokens": s.n_prompt,
         "completion_tokens": s.n_generated,
         "total_tokens": s.n_prompt + s.n_generated,
-        "prompt_tokens_details": {"cached_tokens": s.n_prompt_cached},  # type: ignore[dict-item]
+        "prompt_tokens_details": {"cached_tokens": s.n_prompt_cached},
+        # Of the prediction's tokens drafted, those the output kept and those it did not.
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": s.accepted_by_prediction,
+            "rejected_prediction_tokens": s.drafted_by_prediction - s.accepted_by_prediction,
+        },
     }
 
 

@@ -112,6 +112,18 @@ def test_run_ngram_draft(tiny_pair: models.ModelPair) -> None:
     assert stats["drafted_by_ngram"] == stats["n_drafted"]
 
 
+def test_run_drafts_a_prediction_file(deep_pair: models.ModelPair, tmp_path: Path) -> None:
+    ask = ("run", deep_pair.target, "--no-draft", "-p", "Once upon a time", "-n", "24", "--json")
+    base = json.loads(run_cli(*ask, "-k", "0").stdout)
+    (tmp_path / "expected.txt").write_text(base["text"])
+    r = run_cli(*ask, "-k", "4", "--prediction", tmp_path / "expected.txt")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)["stats"]
+    assert stats["accepted_by_prediction"] >= 12 and stats["n_target_passes"] <= 12, stats
+    r = run_cli(*ask, "--prediction", tmp_path / "missing.txt")
+    assert r.returncode != 0 and "missing.txt" in r.stderr
+
+
 def test_prompt_from_file(deep_pair: models.ModelPair, tmp_path: Path) -> None:
     f = tmp_path / "p.txt"
     f.write_text("The sky is")

@@ -1361,6 +1361,59 @@ def test_stop_strings_end_structured_output_where_they_appear(chat_server: Serve
     assert calls[0] == calls[1]
 
 
+def test_a_predicted_output_is_drafted_and_counted(client: openai.OpenAI) -> None:
+    """OpenAI's predicted outputs: the answer is the model's whatever the prediction; the
+    prediction's tokens the answer kept and those it did not are in the usage."""
+    ask: dict[str, Any] = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "List three colours, one per line."}],
+        "max_tokens": 48,
+        "temperature": 0,
+        # Not from the shared index, which holds the same answer once it has been given.
+        "extra_body": {"ngram_index": False},
+    }
+    base = client.chat.completions.create(**ask)
+    text = base.choices[0].message.content or ""
+    edited = text.replace("\n", "\nAnd\n", 1)
+    for content in (
+        text,
+        [{"type": "text", "text": edited[:9]}, {"type": "text", "text": edited[9:]}],
+    ):
+        for stream in (False, True):
+            prediction = {"type": "content", "content": content}
+            if stream:
+                chunks = list(
+                    client.chat.completions.create(  # type: ignore[call-overload]
+                        **ask,
+                        prediction=prediction,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                )
+                got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                usage = chunks[-1].usage
+            else:
+                r = client.chat.completions.create(**ask, prediction=prediction)  # type: ignore[call-overload]
+                got, usage = r.choices[0].message.content or "", r.usage
+            assert got == text
+            assert usage and usage.completion_tokens_details, usage
+            details = usage.completion_tokens_details
+            assert (details.accepted_prediction_tokens or 0) >= usage.completion_tokens // 2, usage
+            assert details.rejected_prediction_tokens is not None
+    assert base.usage and base.usage.completion_tokens_details
+    assert base.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "prediction",
+    [{"type": "text", "content": "x"}, {"type": "content", "content": 5}, {"type": "content"}, "x"],
+)
+def test_bad_predictions_are_400s(chat_server: Server, prediction: object) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "prediction": prediction}
+    r = httpx.post(chat_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prediction"), r.text
+
+
 def test_tokenize_and_detokenize_as_llama_server(chat_server: Server, smollm2_q40: Path) -> None:
     import llama_cpp
 

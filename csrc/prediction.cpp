@@ -1,0 +1,77 @@
+#include "prediction.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace specdec {
+
+Prediction::Prediction(std::vector<llama_token> tokens, int ngram_min, int ngram_max)
+    : tokens_(std::move(tokens)), ngram_min_(ngram_min), ngram_max_(ngram_max) {
+    if (ngram_min < 1 || ngram_max < ngram_min || ngram_max > 16)
+        throw std::invalid_argument("need 1 <= ngram_min <= ngram_max <= 16");
+    by_length_.resize(static_cast<size_t>(ngram_max - ngram_min + 1));
+    for (size_t p = 1; p < tokens_.size(); ++p)
+        for (int n = ngram_min; n <= ngram_max && static_cast<size_t>(n) <= p; ++n)
+            by_length_[static_cast<size_t>(n - ngram_min)][hash_tokens(&tokens_[p - n], n)]
+                .push_back(static_cast<uint32_t>(p));
+}
+
+void Prediction::follow(const std::vector<llama_token>& seq, size_t output_start) {
+    read_ = std::max(read_, output_start);
+    for (; read_ < seq.size(); ++read_) {
+        const bool kept = at_ >= 0 && static_cast<size_t>(at_) < tokens_.size() &&
+                          tokens_[static_cast<size_t>(at_)] == seq[read_];
+        at_ = kept ? at_ + 1 : -1;
+        if (kept) last_ = at_;
+    }
+}
+
+long Prediction::find(const std::vector<llama_token>& seq, int n, long after) const {
+    const auto& map = by_length_[static_cast<size_t>(n - ngram_min_)];
+    const auto it = map.find(hash_tokens(&seq[seq.size() - static_cast<size_t>(n)], n));
+    if (it == map.end()) return -1;
+    const auto& at = it->second;
+    const auto next = std::lower_bound(at.begin(), at.end(), static_cast<uint32_t>(after));
+    for (const uint32_t p : {next != at.end() ? *next : at.front(), at.front()}) {
+        // A hash collision must not become a draft.
+        if (std::equal(seq.end() - n, seq.end(), tokens_.begin() + static_cast<long>(p) - n))
+            return p;
+    }
+    return -1;
+}
+
+NgramMatch Prediction::match(const std::vector<llama_token>& seq, size_t output_start) {
+    follow(seq, output_start);
+    const long output = static_cast<long>(seq.size() - std::min(seq.size(), output_start));
+    if (at_ >= 0) {
+        // The whole output so far is the prediction's beginning, or it found its place again.
+        if (static_cast<size_t>(at_) >= tokens_.size()) return {};
+        const int length =
+            matched_length(tokens_.data(), at_, seq.data(), static_cast<long>(seq.size()), 0);
+        return {at_, static_cast<int>(std::min<long>(length, output))};
+    }
+    for (int n = std::min<long>(ngram_max_, output); n >= ngram_min_; --n) {
+        const long p = find(seq, n, last_);
+        if (p < 0 || static_cast<size_t>(p) >= tokens_.size()) continue;
+        at_ = p;  // followed from here on
+        const int length =
+            matched_length(tokens_.data(), p, seq.data(), static_cast<long>(seq.size()), n);
+        return {p, static_cast<int>(std::min<long>(length, output))};
+    }
+    return {};
+}
+
+void Prediction::copy(NgramMatch m, int k, Draft& out) const {
+    out.tokens.clear();
+    out.q.clear();
+    out.source = DraftSource::kPrediction;
+    out.caught_up = 0;
+    out.t_catch_up = 0.0;
+    if (!m.found()) return;
+    const size_t end =
+        std::min(tokens_.size(), static_cast<size_t>(m.from) + static_cast<size_t>(k));
+    out.tokens.assign(tokens_.begin() + m.from, tokens_.begin() + static_cast<long>(end));
+    out.q.assign(out.tokens.size(), nullptr);
+}
+
+}  // namespace specdec
