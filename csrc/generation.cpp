@@ -46,7 +46,9 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
       constraint_(std::move(channel_->constraint)) {
     if (!req_.ngram_index) parts_.index = nullptr;
     const bool engine_drafts = parts_.drafter != nullptr || parts_.ngram;
-    if (parts_.ngram) ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
+    // A prediction says the output copies known text: the request's own text is looked up too.
+    if (parts_.ngram || !req_.prediction.empty())
+        ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
     if (!req_.prediction.empty()) {
         // Past the context the output cannot go: the rest would only cost memory.
         const auto n = std::min(req_.prediction.size(), static_cast<size_t>(parts_.target.n_ctx()));

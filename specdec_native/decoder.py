@@ -1348,8 +1348,10 @@ class SpeculativeDecoder:
         """A prediction's tokens as the output would spell them: no BOS, special tokens as
         text."""
         if isinstance(prediction, str):
-            return self.tokenize(prediction, add_special=False) if prediction else []
-        return list(prediction)
+            # Past the context the output cannot go (tokens average far below 32 characters).
+            text = prediction[: 32 * self.n_ctx]
+            return self.tokenize(text, add_special=False) if text else []
+        return list(prediction[: self.n_ctx])
 
     def generate(
         self,

@@ -27,7 +27,8 @@ def assert_sources_add_up(s: sd.Stats) -> None:
 
 @pytest.fixture(scope="module")
 def alone(deep_pair: models.ModelPair) -> Iterator[sd.SpeculativeDecoder]:
-    """The target without a draft model or n-gram drafting: a prediction is all it drafts."""
+    """The target without a draft model or n-gram drafting: a request drafts only with its
+    prediction (and then from its own text too)."""
     with sd.SpeculativeDecoder(deep_pair.target, None, n_ctx=1024) as dec:
         yield dec
 
