@@ -524,8 +524,8 @@ def run(
         ngram=ngram,
         ngram_min=ngram_min,
         ngram_max=ngram_max,
-        # Without a draft model or n-grams, a K is a prediction's alone.
-        n_draft=k if draft_arg is not None or ngram or prediction_file else 0,
+        # Without a draft model or n-grams, a K drafts forced tokens and a prediction.
+        n_draft=k,
         n_ctx=n_ctx,
         n_batch=n_batch,
         n_threads=n_threads,

@@ -14,7 +14,7 @@ namespace specdec {
 // kIndex: a copy from earlier requests' outputs (SharedNgramIndex); kNgram copies its own text;
 // kPrediction copies the output the caller expects (Prediction).
 enum class DraftSource { kModel = 0, kNgram = 1, kGrammar = 2, kIndex = 3, kPrediction = 4 };
-constexpr int kDraftSources = 5;
+constexpr int kDraftSources = static_cast<int>(DraftSource::kPrediction) + 1;
 
 struct Draft {
     DraftSource source = DraftSource::kModel;

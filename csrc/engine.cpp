@@ -163,10 +163,10 @@ void Engine::stop_scheduler() {
 }
 
 EngineParts Engine::parts() {
-    return EngineParts{
-        *target_,          draft_.get(),          drafter_.get(),     config_.ngram,
-        config_.ngram_min, config_.ngram_max,     ngram_index_.get(), config_.n_draft,
-        kMaxDraft,         grammar_drafts_.load()};
+    return EngineParts{*target_,           draft_.get(),          drafter_.get(),
+                       config_.ngram,      config_.ngram_min,     config_.ngram_max,
+                       ngram_index_.get(), &prediction_copy_,     config_.n_draft,
+                       kMaxDraft,          grammar_drafts_.load()};
 }
 
 bool Engine::running_on_this_thread() const {

@@ -230,6 +230,10 @@ class Engine {
     std::unique_ptr<Model> draft_;
     std::unique_ptr<ModelDrafter> drafter_;
     std::unique_ptr<SharedNgramIndex> ngram_index_;  // scheduler thread (null: none)
+    // How far predictions' copies are accepted, learnt over every request that brought one (a
+    // client's predictions are alike, and a request is too short to learn it alone): scheduler
+    // thread.
+    CopyPolicy prediction_copy_;
     std::atomic<size_t> index_tokens_{0}, index_bytes_{0};
     Batch target_batch_;
 

@@ -139,16 +139,12 @@ CostSweep Engine::cost_sweep_locked(const std::vector<llama_token>& context, int
 void Engine::calibrate(const std::vector<llama_token>& context,
                        std::shared_ptr<CancelFlag> cancel) {
     check_not_in_callback("call generate, calibrate or measure_decode_cost");
-    if (!drafter_ && !config_.ngram)
-        throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
     if (context.empty()) throw std::invalid_argument("the context has no tokens");
     check_tokens(context);
     run_exclusive([&] { calibrate_locked(context); }, std::move(cancel));
 }
 
 void Engine::set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs) {
-    if (!drafter_ && !config_.ngram)
-        throw std::invalid_argument("calibration needs a drafter (model or n-gram)");
     std::lock_guard<std::mutex> lock(policy_mutex_);
     policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
 }

@@ -117,14 +117,14 @@ void Engine::choose_ks(int row_cap) {
 }
 
 void Engine::draft_all() {
-    // Forced tokens and n-gram matches first, then the draft model, for every sequence in one go.
+    // Forced tokens and copies first, then the draft model, for every sequence in one go.
     draft_jobs_.clear();
     by_model_.assign(decoding_.size(), false);
     for (size_t i = 0; i < decoding_.size(); ++i) {
         or_retire(decoding_[i], [&](Generation& g) {
             // Forced tokens first; the draft model may go on after them, an n-gram copy does not.
             const bool forced = g.draft_forced();
-            if (!forced && g.draft_by_ngram()) return;
+            if (!forced && g.draft_by_copy()) return;
             if (drafter_ && g.model_k() > 0) {
                 draft_jobs_.push_back(g.model_job());
                 by_model_[i] = true;

@@ -46,12 +46,14 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
       constraint_(std::move(channel_->constraint)) {
     if (!req_.ngram_index) parts_.index = nullptr;
     const bool engine_drafts = parts_.drafter != nullptr || parts_.ngram;
-    // A prediction says the output copies known text: the request's own text is looked up too.
-    if (parts_.ngram || !req_.prediction.empty())
-        ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
+    // A prediction says the output copies known text: where the engine has no other drafter,
+    // the request's own text is looked up too.
+    const bool own_copies = parts_.ngram || (!req_.prediction.empty() && !parts_.drafter);
+    if (own_copies) ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
     if (!req_.prediction.empty()) {
         // Past the context the output cannot go: the rest would only cost memory.
         const auto n = std::min(req_.prediction.size(), static_cast<size_t>(parts_.target.n_ctx()));
+        stats().n_prediction = static_cast<int>(n);
         prediction_.emplace(
             std::vector<llama_token>(req_.prediction.begin(),
                                      req_.prediction.begin() + static_cast<long>(n)),
@@ -223,7 +225,7 @@ bool Generation::choose_copy(int cap) {
         consider(DraftSource::kIndex, parts_.index->copy_policy(), shared, steady);
     }
     if (prediction_)
-        consider(DraftSource::kPrediction, prediction_copy_,
+        consider(DraftSource::kPrediction, *parts_.prediction_copy,
                  prediction_->match(seq_, req_.prompt.size()), cap);
     if (best == 0) return false;
     if (parts_.drafter) {
@@ -295,7 +297,7 @@ bool Generation::draft_forced() {
     return true;
 }
 
-bool Generation::draft_by_ngram() {
+bool Generation::draft_by_copy() {
     if (k_ == 0 || (!ngram_ && !prediction_) || (adaptive_ && !copying_)) return false;
     const auto start = Clock::now();
     if (copying_)

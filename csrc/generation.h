@@ -185,7 +185,8 @@ struct EngineParts {
     ModelDrafter* drafter;  // null: no draft model
     bool ngram;             // draft from n-gram matches first
     int ngram_min, ngram_max;
-    SharedNgramIndex* index;  // earlier requests' outputs (null: each request's own text only)
+    SharedNgramIndex* index;      // earlier requests' outputs (null: each request's own text only)
+    CopyPolicy* prediction_copy;  // how far predictions' copies are accepted, over all requests
     int default_n_draft;
     int max_draft;
     bool grammar_drafts;  // drafts know the grammar: its forced tokens, q masked by it
@@ -265,13 +266,13 @@ class Generation {
     // Starts this step's draft (the last one forgotten) from the tokens the grammar forces next,
     // when the request has a grammar and drafts at all; false when it forces none.
     bool draft_forced();
-    // Starts this step's draft from n-gram matches, when configured (after draft_forced found
-    // none); false when it found none (or k is 0).
-    bool draft_by_ngram();
+    // Starts this step's draft from a copy (of its own text, the shared index or its
+    // prediction; after draft_forced found none); false when it found none (or k is 0).
+    bool draft_by_copy();
     // How many tokens the draft model adds this step, after any forced ones: k, within the
     // step's room (the cap under `auto`, k with a fixed K) that the forced tokens left.
     int model_k() const;
-    // This sequence's part in the batched model draft (model_k() > 0 and no n-gram draft).
+    // This sequence's part in the batched model draft (model_k() > 0 and no copy drafted).
     ModelDrafter::Job model_job();
     // After drafting: the stats, and whether to stop trusting the draft.
     void drafted(double seconds);
@@ -322,7 +323,9 @@ class Generation {
     // sequence.
     void size_room(int row_cap);
     bool choose_copy(int cap);
+    // Drafts the copy choose_copy chose (under `auto`).
     void copy_chosen();
+    // A fixed K's copy: the first source with a match.
     void copy_first_found();
     // The K that commits tokens fastest copying `m` under `copy` (0: target-only is faster), and
     // its expected rate.
@@ -336,7 +339,7 @@ class Generation {
             case DraftSource::kIndex:
                 return parts_.index->copy_policy();
             case DraftSource::kPrediction:
-                return prediction_copy_;
+                return *parts_.prediction_copy;
             default:
                 return copy_;
         }
@@ -373,12 +376,11 @@ class Generation {
     std::optional<NgramDrafter> ngram_;
     CopyPolicy copy_;
     std::optional<Prediction> prediction_;
-    CopyPolicy prediction_copy_;
     NgramMatch match_;  // this step's, when copying
     // What match_ indexes: kNgram seq_, kIndex the shared index, kPrediction the prediction.
     DraftSource copy_from_ = DraftSource::kNgram;
-    bool copying_ = false;               // this step drafts an n-gram copy chosen by copy_
-    std::vector<double> copy_expected_;  // copy_'s expected tokens for K = 0..cap
+    bool copying_ = false;               // this step drafts the copy choose_copy chose
+    std::vector<double> copy_expected_;  // a copy policy's expected tokens for K = 0..cap
     int n_draft_;
     bool adaptive_ = false;
     bool drafting_dropped_ = false;

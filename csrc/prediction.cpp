@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <utility>
 
 namespace specdec {
 
@@ -9,11 +10,14 @@ Prediction::Prediction(std::vector<llama_token> tokens, int ngram_min, int ngram
     : tokens_(std::move(tokens)), ngram_min_(ngram_min), ngram_max_(ngram_max) {
     if (ngram_min < 1 || ngram_max < ngram_min || ngram_max > 16)
         throw std::invalid_argument("need 1 <= ngram_min <= ngram_max <= 16");
-    by_length_.resize(static_cast<size_t>(ngram_max - ngram_min + 1));
-    for (size_t p = 1; p < tokens_.size(); ++p)
-        for (int n = ngram_min; n <= ngram_max && static_cast<size_t>(n) <= p; ++n)
-            by_length_[static_cast<size_t>(n - ngram_min)][hash_tokens(&tokens_[p - n], n)]
-                .push_back(static_cast<uint32_t>(p));
+    keys_.resize(static_cast<size_t>(ngram_max - ngram_min + 1));
+    for (int n = ngram_min; n <= ngram_max; ++n) {
+        auto& keys = keys_[static_cast<size_t>(n - ngram_min)];
+        for (size_t p = static_cast<size_t>(n); p < tokens_.size(); ++p)
+            keys.emplace_back(hash_tokens(&tokens_[p - static_cast<size_t>(n)], n),
+                              static_cast<uint32_t>(p));
+        std::sort(keys.begin(), keys.end());
+    }
 }
 
 void Prediction::follow(const std::vector<llama_token>& seq, size_t output_start) {
@@ -27,12 +31,14 @@ void Prediction::follow(const std::vector<llama_token>& seq, size_t output_start
 }
 
 long Prediction::find(const std::vector<llama_token>& seq, int n, long after) const {
-    const auto& map = by_length_[static_cast<size_t>(n - ngram_min_)];
-    const auto it = map.find(hash_tokens(&seq[seq.size() - static_cast<size_t>(n)], n));
-    if (it == map.end()) return -1;
-    const auto& at = it->second;
-    const auto next = std::lower_bound(at.begin(), at.end(), static_cast<uint32_t>(after));
-    for (const uint32_t p : {next != at.end() ? *next : at.front(), at.front()}) {
+    const auto& keys = keys_[static_cast<size_t>(n - ngram_min_)];
+    const uint64_t h = hash_tokens(&seq[seq.size() - static_cast<size_t>(n)], n);
+    const auto first = std::lower_bound(keys.begin(), keys.end(), std::make_pair(h, uint32_t{0}));
+    if (first == keys.end() || first->first != h) return -1;
+    auto next =
+        std::lower_bound(first, keys.end(), std::make_pair(h, static_cast<uint32_t>(after)));
+    if (next == keys.end() || next->first != h) next = first;
+    for (const uint32_t p : {next->second, first->second}) {
         // A hash collision must not become a draft.
         if (std::equal(seq.end() - n, seq.end(), tokens_.begin() + static_cast<long>(p) - n))
             return p;

@@ -3,7 +3,7 @@
 #pragma once
 
 #include <cstdint>
-#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "drafter.h"
@@ -14,7 +14,7 @@ namespace specdec {
 // The output is read against the prediction as it grows: while it keeps to the prediction, the
 // copy goes on from where it stands (a line the text repeats is continued at its own place, not
 // at its last occurrence); where it went its own way, its last n tokens find the place again,
-// the first after where it stood.
+// the first after where it last kept to it.
 class Prediction {
   public:
     Prediction(std::vector<llama_token> tokens, int ngram_min, int ngram_max);
@@ -24,7 +24,6 @@ class Prediction {
     NgramMatch match(const std::vector<llama_token>& seq, size_t output_start);
     // Up to k tokens of the prediction from m.from.
     void copy(NgramMatch m, int k, Draft& out) const;
-    size_t size() const { return tokens_.size(); }
 
   private:
     // Follows the output from where it was read last; `at_` is -1 where it went its own way.
@@ -35,8 +34,9 @@ class Prediction {
     std::vector<llama_token> tokens_;
     int ngram_min_;
     int ngram_max_;
-    // by_length_[n - ngram_min_]: hash of an n-gram -> positions that follow it, ascending
-    std::vector<std::unordered_map<uint64_t, std::vector<uint32_t>>> by_length_;
+    // keys_[n - ngram_min_]: (hash of an n-gram, the position that follows it), sorted: flat,
+    // so that a long prediction costs 12 bytes a token per key length and one sort to build.
+    std::vector<std::vector<std::pair<uint64_t, uint32_t>>> keys_;
     size_t read_ = 0;  // seq positions follow() has read
     long at_ = 0;      // the prediction's position the output goes on at; -1: none
     long last_ = 0;    // where the output last kept to the prediction

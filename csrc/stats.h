@@ -31,6 +31,7 @@ struct Stats {
     int drafted_by[kDraftSources] = {};
     int n_argmax_drafted = 0;  // sampling: model drafts that were q's argmax (point masses)
     int accepted_by[kDraftSources] = {};
+    int n_prediction = 0;  // tokens of the request's prediction (as far as the context goes)
     std::vector<int> accepted_at;  // [i]: times draft position i+1 was accepted
     std::vector<int> proposed_at;  // [i]: times draft position i+1 was proposed
     double t_queue = 0.0;          // seconds: waiting for the engine (another call ran)
@@ -80,6 +81,7 @@ struct Stats {
         field("accepted_by_index", accepted_by[3]);
         field("drafted_by_prediction", drafted_by[4]);
         field("accepted_by_prediction", accepted_by[4]);
+        field("n_prediction", n_prediction);
         field("n_argmax_drafted", n_argmax_drafted);
         field("accepted_at", accepted_at);
         field("proposed_at", proposed_at);

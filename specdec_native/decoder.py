@@ -124,6 +124,7 @@ class Stats:
     accepted_by_index: int
     drafted_by_prediction: int  # copied from the output the caller predicted
     accepted_by_prediction: int
+    n_prediction: int  # tokens of the prediction (as far as the context goes)
     n_argmax_drafted: int  # sampling: model drafts that were the draft's argmax (point masses)
     accepted_at: list[int]
     proposed_at: list[int]
@@ -283,9 +284,11 @@ def _check_float(
 
 def _check_prediction(value: Any) -> str | tuple[int, ...]:
     """A prediction: text, or token ids (None: none)."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if isinstance(value, (bytes, bytearray, memoryview)) or not isinstance(value, Iterable):
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return _check_text("prediction", value)
+    if isinstance(value, (bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
         raise ArgumentTypeError(
             f"prediction must be str or a list of token ids, got {type(value).__name__}"
         )

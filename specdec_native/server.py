@@ -626,15 +626,17 @@ def _finish_reason(result: GenerationResult) -> str:
 
 def _usage(result: GenerationResult) -> dict[str, Any]:
     s = result.stats
+    # Accepted drafts past a stop string are not kept.
+    accepted = min(s.accepted_by_prediction, s.n_generated, s.n_prediction)
     return {
         "prompt_tokens": s.n_prompt,
         "completion_tokens": s.n_generated,
         "total_tokens": s.n_prompt + s.n_generated,
         "prompt_tokens_details": {"cached_tokens": s.n_prompt_cached},
-        # Of the prediction's tokens drafted, those the output kept and those it did not.
+        # As OpenAI counts them: the prediction's tokens the output kept, and the rest of it.
         "completion_tokens_details": {
-            "accepted_prediction_tokens": s.accepted_by_prediction,
-            "rejected_prediction_tokens": s.drafted_by_prediction - s.accepted_by_prediction,
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": s.n_prediction - accepted,
         },
     }
 
@@ -751,6 +753,10 @@ class Server:
         decoder.generate(
             "Hello", 4, n_draft=self.settings.n_draft, temperature=0.0, ngram_index=False
         )
+        # Without a drafter the warm-up does not draft, so `auto`'s costs, which requests with
+        # a prediction need, are measured here rather than in the first of them.
+        if self.settings.n_draft == AUTO and not decoder.policy_state()["calibrated"]:
+            decoder.calibrate()
 
     def _warmed_up_late(self, warm_up: asyncio.Future[None]) -> None:
         if warm_up.cancelled():

@@ -110,6 +110,10 @@ def test_bad_predictions_are_refused(alone: sd.SpeculativeDecoder) -> None:
         alone.generate(PLAN, 4, prediction=b"def f():")  # bytes: a sequence of ints, but text
     with pytest.raises(ArgumentTypeError, match="prediction must be str"):
         alone.generate(PLAN, 4, prediction=3)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="prediction must be str"):
+        alone.generate(PLAN, 4, prediction={"type": "content"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prediction is not valid Unicode"):
+        alone.generate(PLAN, 4, prediction="x\ud800")
     with pytest.raises(ValueError, match="prediction token"):
         alone.generate(PLAN, 4, prediction=[-1])
     with pytest.raises(ValueError, match="token"):

@@ -1400,8 +1400,31 @@ def test_a_predicted_output_is_drafted_and_counted(client: openai.OpenAI) -> Non
             details = usage.completion_tokens_details
             assert (details.accepted_prediction_tokens or 0) >= usage.completion_tokens // 2, usage
             assert details.rejected_prediction_tokens is not None
+            assert details.accepted_prediction_tokens <= usage.completion_tokens
     assert base.usage and base.usage.completion_tokens_details
     assert base.usage.completion_tokens_details.accepted_prediction_tokens == 0
+
+
+def test_a_server_without_a_drafter_drafts_a_prediction(smollm2_q40: Path) -> None:
+    server = start(smollm2_q40, "-c", "1024", "--model-alias", "smol")
+    try:
+        url = server.url + "/v1/chat/completions"
+        ask = {
+            "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
+            "max_tokens": 48,
+            "temperature": 0,
+        }
+        base = httpx.post(url, json=ask, timeout=60).json()
+        assert base["timings"]["draft_n"] == 0  # nothing to draft with
+        text = base["choices"][0]["message"]["content"]
+        prediction = {"type": "content", "content": text}
+        r = httpx.post(url, json={**ask, "prediction": prediction}, timeout=60).json()
+        assert r["choices"][0]["message"]["content"] == text
+        accepted = r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+        assert accepted >= r["usage"]["completion_tokens"] // 2, r["usage"]
+        assert r["timings"]["draft_n_accepted_by_source"]["prediction"] == accepted
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize(
