@@ -1354,7 +1354,7 @@ class SpeculativeDecoder:
             # Past the context the output cannot go (tokens average far below 32 characters).
             text = prediction[: 32 * self.n_ctx]
             return self.tokenize(text, add_special=False) if text else []
-        return list(prediction[: self.n_ctx])
+        return list(prediction)  # the engine uses what the context can hold
 
     def generate(
         self,
@@ -1448,8 +1448,10 @@ class SpeculativeDecoder:
         ``prediction`` (text or token ids; OpenAI's predicted outputs) is the output the caller
         expects, a file's text before an edit, say: drafts copy it where the output keeps to it
         (point masses, so the output is the target's, whatever the prediction), on any decoder,
-        one without a draft model or n-gram drafting too. ``stats.drafted_by_prediction`` and
-        ``accepted_by_prediction`` count its tokens.
+        one without a draft model or n-gram drafting too (there the call also copies its own
+        text, and under "auto" the first such call measures the costs). Its copies' acceptance
+        is learnt over the decoder's calls. ``stats.drafted_by_prediction``,
+        ``accepted_by_prediction`` and ``n_prediction`` count its tokens.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(

@@ -249,3 +249,19 @@ def test_n_parallel_out_of_range(deep_pair: models.ModelPair, n: Any) -> None:
 def test_more_slots_than_one_decode_holds_is_refused(deep_pair: models.ModelPair) -> None:
     with pytest.raises(ValueError, match="n_batch"):
         sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_parallel=8, n_batch=4)
+
+
+def test_predictions_in_parallel(deep_pair: models.ModelPair) -> None:
+    """Each slot follows its own prediction while the slots share the target's decodes."""
+    with sd.SpeculativeDecoder(deep_pair.target, None, n_ctx=1024, n_parallel=3) as dec:
+        alone = [dec.generate(p, 32, n_draft=0) for p in PROMPTS[:3]]
+        calls: list[dict[str, Any]] = [
+            {"prompt": p, "max_tokens": 32, "prediction": a.tokens, "n_draft": k}
+            for p, a, k in zip(PROMPTS[:3], alone, ("auto", 4, "auto"))
+        ]
+        together = run_together(dec, calls)
+    for a, t in zip(alone, together):
+        assert_same_or_near_tie(t, a, NEAR_TIE_GAP)
+        assert_stats_add_up(t.stats, len(t.tokens))
+        assert t.stats.accepted_by_prediction > 0, t.stats
+    assert any(t.stats.n_shared_steps > 0 for t in together)
