@@ -39,6 +39,15 @@ struct Draft {
     bool non_finite = false;
     // The draft model stopped short of K: its probability of its next token was below p_min.
     bool below_p_min = false;
+
+    // Empties it for a copy from `from` (no model decoded: nothing caught up).
+    void start_copy(DraftSource from) {
+        tokens.clear();
+        q.clear();
+        source = from;
+        caught_up = 0;
+        t_catch_up = 0.0;
+    }
 };
 
 }  // namespace specdec

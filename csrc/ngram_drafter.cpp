@@ -72,11 +72,7 @@ void NgramDrafter::propose(const std::vector<llama_token>& committed, int k, Dra
 
 void NgramDrafter::propose(const std::vector<llama_token>& committed, NgramMatch m, int k,
                            Draft& out) {
-    out.tokens.clear();
-    out.q.clear();
-    out.source = DraftSource::kNgram;
-    out.caught_up = 0;
-    out.t_catch_up = 0.0;
+    out.start_copy(DraftSource::kNgram);
     if (!m.found()) return;
     // Past the end of the committed text, the continuation runs on into the draft itself:
     // a repeating pattern keeps repeating.

@@ -293,11 +293,7 @@ void SharedNgramIndex::propose(NgramMatch m, int k, Draft& out) const {
 }
 
 void SharedNgramIndex::copy(NgramMatch m, int n, Draft& out) const {
-    out.tokens.clear();
-    out.q.clear();
-    out.source = DraftSource::kIndex;
-    out.caught_up = 0;
-    out.t_catch_up = 0.0;
+    out.start_copy(DraftSource::kIndex);
     for (int j = 0; j < n; ++j) {
         out.tokens.push_back(tokens_[static_cast<size_t>(m.from + j)]);
         out.q.push_back(nullptr);

@@ -68,11 +68,7 @@ NgramMatch Prediction::match(const std::vector<llama_token>& seq, size_t output_
 }
 
 void Prediction::copy(NgramMatch m, int k, Draft& out) const {
-    out.tokens.clear();
-    out.q.clear();
-    out.source = DraftSource::kPrediction;
-    out.caught_up = 0;
-    out.t_catch_up = 0.0;
+    out.start_copy(DraftSource::kPrediction);
     if (!m.found()) return;
     const size_t end =
         std::min(tokens_.size(), static_cast<size_t>(m.from) + static_cast<size_t>(k));
