@@ -580,8 +580,8 @@ def _refuse_options_without_effect(
         raise click.UsageError("--ngram-min and --ngram-max apply to n-gram drafting")
     if not draft_model and _given("draft_p_min"):
         raise click.UsageError("--draft-p-min applies to a draft model")
-    if recalibrate and not (auto and (draft_model or ngram)):
-        raise click.UsageError("--recalibrate applies to -k auto with a draft")
+    if recalibrate and not auto:
+        raise click.UsageError("--recalibrate applies to -k auto")
 
 
 @cli.command()

@@ -13,6 +13,7 @@
 #include "generation.h"
 #include "ngram_index.h"
 #include "policy.h"
+#include "prediction.h"
 #include "rate_check.h"
 #include "sampling.h"
 #include "text_stream.h"
@@ -170,6 +171,24 @@ void bind_testing(py::module_ m) {
             },
             py::arg("text"), py::arg("k"),
             "What a copy from the index drafts after `text`, at most k tokens.");
+
+    // A request's prediction alone: what it drafts as the output grows (called once per step,
+    // as a generation does: it follows the output from one call to the next).
+    py::class_<Prediction>(m, "Prediction")
+        .def(py::init<std::vector<llama_token>, int, int>(), py::arg("tokens"),
+             py::arg("ngram_min"), py::arg("ngram_max"))
+        .def(
+            "draft",
+            [](Prediction& prediction, const std::vector<llama_token>& seq, size_t output_start,
+               int k) {
+                if (output_start > seq.size())
+                    throw py::value_error("output_start is past the sequence");
+                Draft draft;
+                prediction.copy(prediction.match(seq, output_start), k, draft);
+                return draft.tokens;
+            },
+            py::arg("seq"), py::arg("output_start"), py::arg("k"),
+            "What a copy of the prediction drafts after `seq` (prompt + output), at most k.");
 
     // The calibration's estimates from timed sweeps, exposed for unit tests.
     m.def(

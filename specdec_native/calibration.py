@@ -17,7 +17,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from specdec_native import _core
 from specdec_native._paths import cache_base, write_whole
@@ -60,12 +60,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def inputs(target: Path, draft: Path | None, settings: dict[str, Any]) -> dict[str, Any]:
-    """Everything the cost curve depends on."""
+def inputs(
+    target: Path, draft: Path | Literal["ngram"] | None, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Everything the cost curve depends on. ``draft``: the draft model's file, "ngram", or
+    None for a target alone (which drafts forced tokens and predictions)."""
     return {
         "format": FORMAT,
         "target": _file_identity(target),
-        "draft": _file_identity(draft) if draft else "ngram",
+        "draft": _file_identity(draft) if isinstance(draft, Path) else (draft or "none"),
         "settings": settings,
         "cpu": cpu_model(),
         "cores": os.cpu_count(),

@@ -1026,7 +1026,7 @@ class SpeculativeDecoder:
         self._calibration_key = (
             calibration.inputs(
                 Path(target_path),
-                Path(draft_path) if draft_path else None,
+                Path(draft_path) if draft_path else ("ngram" if ngram else None),
                 {
                     "n_threads": threads,
                     "n_batch": n_batch,
@@ -1036,7 +1036,7 @@ class SpeculativeDecoder:
                 },
             )
             # The cache holds one sequence's costs; batches' are measured with them.
-            if calibration_cache and (draft_path or ngram) and n_parallel == 1
+            if calibration_cache and n_parallel == 1
             else None
         )
 

@@ -418,13 +418,21 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
     assert r.returncode != 0 and "not a report of `bench --json`" in r.stderr
 
 
+@pytest.mark.parametrize("drafter", ["draft model", "target alone, with a prediction"])
 def test_run_reuses_measured_costs_unless_told_to_recalibrate(
-    tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    drafter: str, tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    prediction = tmp_path / "prediction.txt"
+    prediction.write_text("the cat sat on the mat")
+    draft_args = (
+        ("--draft", tiny_pair.draft)
+        if drafter == "draft model"
+        else ("--no-draft", "--prediction", prediction)
+    )
     # 8 tokens take at most 8 steps: fewer than a request needs (12) to find the stored costs
     # wrong, which the tiny pair's microsecond decodes, all noise, otherwise sometimes do.
-    args = ("run", tiny_pair.target, "--draft", tiny_pair.draft, "-p", "the cat", "-n", "8")
+    args = ("run", tiny_pair.target, *draft_args, "-p", "the cat", "-n", "8")
 
     def costs_note(*extra: str) -> str:
         r = run_cli(*args, *extra)

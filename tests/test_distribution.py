@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -99,6 +99,33 @@ def homogeneity_pvalue(a: Counter[Any], b: Counter[Any]) -> float:
     if rest.sum() > 0:
         pooled = np.hstack([pooled, rest])
     return float(chi2_contingency(pooled)[1])
+
+
+def assert_copies_keep_the_distribution(
+    generate: Callable[[int, int], dict[str, Any]], source: str, n: int = 10_000
+) -> None:
+    """Point-mass drafts copied from `source` ("index", "prediction"), sometimes accepted and
+    sometimes not: n sampled outputs with K = 2 have the distribution of n from the target
+    alone (K = 0), and n under a deliberately wrong rule (resampling from p itself after a
+    rejection) do not. `generate(k, i)` runs an arm's i-th request with K = k."""
+    counts: dict[str, Counter[tuple[int, ...]]] = {}
+    drafted = accepted = 0
+    for arm, k in (("base", 0), ("copied", 2), ("wrong", 2)):
+        counts[arm] = Counter()
+        testing.set_wrong_residual(arm == "wrong")
+        try:
+            for i in range(n):
+                out = generate(k, i)
+                counts[arm][tuple(out["tokens"])] += 1
+                if arm == "copied":
+                    drafted += out["stats"][f"drafted_by_{source}"]
+                    accepted += out["stats"][f"accepted_by_{source}"]
+        finally:
+            testing.set_wrong_residual(False)
+    assert drafted >= n
+    assert 0 < accepted < drafted
+    assert homogeneity_pvalue(counts["base"], counts["copied"]) > 1e-3
+    assert homogeneity_pvalue(counts["base"], counts["wrong"]) < 1e-6
 
 
 def first_tokens(c: Counter[tuple[int, ...]], n: int) -> Counter[tuple[int, ...]]:

@@ -8,11 +8,12 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import BATCHED_NEAR_TIE_GAP, NEAR_TIE_GAP
 from helpers import assert_same_or_near_tie, assert_stats_add_up, engine_request
-from test_distribution import homogeneity_pvalue
+from test_distribution import assert_copies_keep_the_distribution, homogeneity_pvalue
 
 import specdec_native as sd
 from specdec_native import models
@@ -251,8 +252,6 @@ def test_index_drafts_keep_the_distribution(tiny_dir: Path, tmp_path: Path) -> N
     pair = models.build_tiny_pair(tiny_dir, seed=5, draft_noise=0.5)
     prompt = [1, 300, 270]  # nothing repeats: the request's own text has no match at first
     n = 10_000
-    counts: dict[str, Counter[tuple[int, ...]]] = {}
-    drafted = accepted = 0
     saved = tmp_path / "index.bin"
     with sd.SpeculativeDecoder(
         pair.target, "ngram", n_draft=2, n_ctx=64, n_threads=1, ngram_index_mb=0.5
@@ -260,24 +259,12 @@ def test_index_drafts_keep_the_distribution(tiny_dir: Path, tmp_path: Path) -> N
         engine = dec._live()
         engine.generate(engine_request(prompt, 3, 0, 0, temperature=0.0))
         dec.save_ngram_index(saved)
-        for arm, k in (("base", 0), ("index", 2), ("wrong", 2)):
-            counts[arm] = Counter()
-            testing.set_wrong_residual(arm == "wrong")
-            try:
-                for i in range(n):
-                    dec.load_ngram_index(saved)
-                    out = engine.generate(engine_request(prompt, 3, 11 * n + i, k))
-                    counts[arm][tuple(out["tokens"])] += 1
-                    if arm == "index":
-                        drafted += out["stats"]["drafted_by_index"]
-                        accepted += out["stats"]["accepted_by_index"]
-            finally:
-                testing.set_wrong_residual(False)
-    assert drafted >= n
-    assert 0 < accepted < drafted
-    assert homogeneity_pvalue(counts["base"], counts["index"]) > 1e-3
-    # The test sees a wrong rule: resampling from p itself after a rejection.
-    assert homogeneity_pvalue(counts["base"], counts["wrong"]) < 1e-6
+
+        def generate(k: int, i: int) -> dict[str, Any]:
+            dec.load_ngram_index(saved)
+            return engine.generate(engine_request(prompt, 3, 11 * n + i, k))
+
+        assert_copies_keep_the_distribution(generate, "index", n)
 
 
 def test_a_seed_repeats_sampled_text_whatever_the_index_holds(
