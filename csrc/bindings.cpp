@@ -371,7 +371,8 @@ PYBIND11_MODULE(_core, m) {
             [](const Engine& e, int token) { return grammar_special(e.target(), token); },
             py::arg("token"))
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
-             py::arg("draft_costs"), py::call_guard<py::gil_scoped_release>())
+             py::arg("draft_costs"), py::arg("batch_verify_costs") = py::list(),
+             py::arg("batch_draft_costs") = py::list(), py::call_guard<py::gil_scoped_release>())
         .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
         // The vocabulary is read-only once loaded, and a long text takes a while: these let
         // other threads (the scheduler's callbacks, a server's event loop) run meanwhile.

@@ -85,8 +85,10 @@ class Engine {
     void calibrate(const std::vector<llama_token>& context,
                    std::shared_ptr<CancelFlag> cancel = nullptr);
     // Uses costs measured earlier (t_verify(n) for n = 1..; a draft decode of 1 and of 2
-    // tokens) instead of measuring them now.
-    void set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs);
+    // tokens; with several slots, the batch costs as (rows, seconds)) instead of measuring them.
+    void set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs,
+                         std::vector<std::pair<int, double>> batch_verify = {},
+                         std::vector<std::pair<int, double>> batch_draft = {});
     // The policy as the last adaptive request left it (a copy: requests run on).
     AdaptivePolicy policy() const;
     BatchCosts batch_costs() const;

@@ -144,9 +144,31 @@ void Engine::calibrate(const std::vector<llama_token>& context,
     run_exclusive([&] { calibrate_locked(context); }, std::move(cancel));
 }
 
-void Engine::set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs) {
-    std::lock_guard<std::mutex> lock(policy_mutex_);
-    policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
+void Engine::set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs,
+                             std::vector<std::pair<int, double>> batch_verify,
+                             std::vector<std::pair<int, double>> batch_draft) {
+    check_not_in_callback("set the calibration");
+    // All checked before anything changes: costs that do not fit are measured instead.
+    BatchCosts batch;
+    if (config_.n_parallel > 1) {
+        if (batch_verify.empty())
+            throw std::invalid_argument("an engine of several slots needs its batch costs too");
+        batch = BatchCosts(std::move(batch_verify), std::move(batch_draft));
+    } else if (!batch_verify.empty() || !batch_draft.empty()) {
+        throw std::invalid_argument("batch costs apply to an engine of several slots");
+    }
+    AdaptivePolicy checked;
+    checked.calibrate(verify_costs, draft_costs, 0.0);
+    const auto set = [&] {
+        std::lock_guard<std::mutex> lock(policy_mutex_);
+        policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
+        batch_costs_ = std::move(batch);
+    };
+    // batch_costs_ is the scheduler thread's to write (its steps read it without the lock).
+    if (config_.n_parallel > 1)
+        run_exclusive(set, nullptr);
+    else
+        set();
 }
 
 void Engine::calibrate_locked(const std::vector<llama_token>& context) {

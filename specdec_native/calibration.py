@@ -15,7 +15,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +26,8 @@ from specdec_native._paths import cache_base, write_whole
 # 3: fastest timings from interleaved sweeps (csrc/cost_curve.h): curves stored before, from
 #    medians, may have been measured on a busy machine and are measured again.
 # 4: whether drafting can pay at these costs, and how many measurements in a row said it cannot.
-FORMAT = 4
+# 5: the batch costs of an engine of several slots (keyed by their number).
+FORMAT = 5
 # A curve by which drafting can never pay ends speculation for good ("draft too slow"): it is
 # trusted once this many measurements in a row have said so, so that one measurement on a busy
 # moment does not decide it.
@@ -38,6 +39,9 @@ class Stored:
     verify_costs: list[float]
     draft_costs: list[float]
     cannot_pay: int  # measurements in a row by which drafting could never pay; 0: it can
+    # With several slots: (rows, seconds) of the target's and the draft's batched decodes.
+    batch_verify_costs: list[tuple[int, float]] = field(default_factory=list)
+    batch_draft_costs: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def trusted(self) -> bool:
@@ -95,9 +99,18 @@ def load(key_inputs: dict[str, Any]) -> Stored | None:
             [float(t) for t in data["verify_costs"]],
             [float(t) for t in data["draft_costs"]],
             cannot_pay,
+            _points(data["batch_verify_costs"]),
+            _points(data["batch_draft_costs"]),
         )
     except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None  # measured again, and stored over it
+
+
+def _points(data: Any) -> list[tuple[int, float]]:
+    points = [(rows, float(seconds)) for rows, seconds in data]
+    if any(type(rows) is not int for rows, _ in points):
+        raise ValueError("batch rows must be integers")
+    return points
 
 
 def save(key_inputs: dict[str, Any], curve: Stored) -> None:
@@ -109,6 +122,8 @@ def save(key_inputs: dict[str, Any], curve: Stored) -> None:
         "verify_costs": curve.verify_costs,
         "draft_costs": curve.draft_costs,
         "cannot_pay": curve.cannot_pay,
+        "batch_verify_costs": curve.batch_verify_costs,
+        "batch_draft_costs": curve.batch_draft_costs,
         "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     with contextlib.suppress(OSError):

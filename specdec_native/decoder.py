@@ -1033,10 +1033,10 @@ class SpeculativeDecoder:
                     "n_gpu_layers": n_gpu_layers,
                     "draft_n_gpu_layers": d_ngl,
                     "ngram": bool(ngram),
+                    "n_parallel": n_parallel,
                 },
             )
-            # The cache holds one sequence's costs; batches' are measured with them.
-            if calibration_cache and n_parallel == 1
+            if calibration_cache
             else None
         )
 
@@ -1315,7 +1315,12 @@ class SpeculativeDecoder:
             self._cannot_pay_before = stored.cannot_pay
             return
         try:
-            engine.set_calibration(stored.verify_costs, stored.draft_costs)
+            engine.set_calibration(
+                stored.verify_costs,
+                stored.draft_costs,
+                stored.batch_verify_costs,
+                stored.batch_draft_costs,
+            )
         except ValueError:  # written by another version, or damaged: measure instead
             return
         self._calibration = "cache"
@@ -1325,7 +1330,13 @@ class SpeculativeDecoder:
         if self._calibration_key is not None and state["calibrated"]:
             self._calibration = self._calibration or "measured"
             cannot_pay = 0 if state["drafting_can_pay"] else self._cannot_pay_before + 1
-            curve = calibration.Stored(state["verify_costs"], state["draft_costs"], cannot_pay)
+            curve = calibration.Stored(
+                state["verify_costs"],
+                state["draft_costs"],
+                cannot_pay,
+                state["batch_verify_costs"],
+                state["batch_draft_costs"],
+            )
             calibration.save(self._calibration_key, curve)
 
     # -- generation ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import NEAR_TIE_GAP, PROMPTS
@@ -298,6 +299,61 @@ def test_a_stored_cost_curve_the_steps_contradict_is_measured_again(
     with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=512) as dec:
         again = dec.generate(PROMPTS[0], 48)
         assert not again.stats.recalibrated and dec.policy_state()["calibration"] == "cache"
+
+
+def test_a_decoder_of_several_slots_reuses_its_batch_costs(
+    tiny_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server restarting reads its costs, batch costs included, instead of measuring them for
+    seconds; a different number of slots measures its own."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+
+    def first_request(n_parallel: int) -> dict[str, Any]:
+        with sd.SpeculativeDecoder(
+            tiny_pair.target, tiny_pair.draft, n_ctx=128, n_parallel=n_parallel
+        ) as dec:
+            dec.generate("the cat", 8)
+            return dec.policy_state()
+
+    measured = first_request(3)
+    assert measured["calibration"] == "measured" and measured["batch_verify_costs"]
+    # A verdict that drafting can never pay is trusted only once measured twice in a row.
+    reads = [first_request(3) for _ in range(calibration.CANNOT_PAY_CONFIRMATIONS)]
+    read = next(state for state in reads if state["calibration"] == "cache")
+    assert [rows for rows, _ in read["batch_verify_costs"]] == [
+        rows for rows, _ in measured["batch_verify_costs"]
+    ]
+    assert first_request(2)["calibration"] == "measured"
+    # A record whose batch costs do not fit this decoder is measured again, not trusted.
+    for path in (tmp_path / "calibration").glob("*.json"):
+        record = json.loads(path.read_text())
+        record["batch_verify_costs"] = [[2, 0.1], [1, 0.1]]
+        path.write_text(json.dumps(record))
+    assert first_request(3)["calibration"] == "measured"
+
+
+def test_batch_costs_are_checked(tiny_pair: models.ModelPair) -> None:
+    verify, draft = [0.01 * n for n in range(1, 12)], [0.001, 0.002]
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, tiny_pair.draft, n_ctx=64, n_parallel=2, calibration_cache=False
+    ) as dec:
+        engine = dec._live()
+        with pytest.raises(ValueError, match="needs its batch costs too"):
+            engine.set_calibration(verify, draft)
+        with pytest.raises(ValueError, match="rows increasing from 1"):
+            engine.set_calibration(verify, draft, [(2, 0.1), (1, 0.1)], [(1, 0.01)])
+        assert not dec.policy_state()["calibrated"]  # nothing half set
+        engine.set_calibration(verify, draft, [(1, 0.01), (8, 0.05)], [(1, 0.001)])
+        state = dec.policy_state()
+        assert state["batch_verify_costs"] == [(1, 0.01), (8, 0.05)]
+        assert state["verify_costs"] == pytest.approx(verify)
+    with (
+        sd.SpeculativeDecoder(
+            tiny_pair.target, tiny_pair.draft, n_ctx=64, calibration_cache=False
+        ) as alone,
+        pytest.raises(ValueError, match="apply to an engine of several slots"),
+    ):
+        alone._live().set_calibration(verify, draft, [(1, 0.01)], [])
 
 
 def test_on_a_gpu_each_shape_is_timed_after_two_decodes_of_it(

@@ -184,7 +184,9 @@ def test_an_engine_checks_only_steps_of_several_sequences_when_asked(
     with sd.SpeculativeDecoder(
         deep_pair.target, deep_pair.draft, n_draft="auto", n_parallel=2, calibration_cache=False
     ) as dec:
-        dec._live().set_calibration([0.05] * 11, [0.005, 0.006])
+        dec._live().set_calibration(
+            [0.05] * 11, [0.005, 0.006], [(1, 0.05), (24, 0.1)], [(1, 0.005), (4, 0.006)]
+        )
         dec.generate("def fibonacci(n):\n", max_tokens=24)
         prompts = ["def fibonacci(n):\n", "The capital of France is"]
         threads = [
