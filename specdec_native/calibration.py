@@ -108,8 +108,8 @@ def load(key_inputs: dict[str, Any]) -> Stored | None:
 
 def _points(data: Any) -> list[tuple[int, float]]:
     points = [(rows, float(seconds)) for rows, seconds in data]
-    if any(type(rows) is not int for rows, _ in points):
-        raise ValueError("batch rows must be integers")
+    if any(type(rows) is not int or not 0 < rows < 2**31 for rows, _ in points):
+        raise ValueError("batch rows must be positive integers")
     return points
 
 

@@ -1023,6 +1023,9 @@ class SpeculativeDecoder:
         # Where the "auto" policy's cost curve came from: None (not yet), "measured", "cache".
         self._calibration: str | None = None
         self._cannot_pay_before = 0  # measurements in a row the stored curve could not pay by
+        # One thread reads the stored curve: with several slots setting it waits for no request
+        # to run, and first requests racing to set it would wait for each other.
+        self._calibration_lock = threading.Lock()
         self._calibration_key = (
             calibration.inputs(
                 Path(target_path),
@@ -1306,6 +1309,10 @@ class SpeculativeDecoder:
         return state
 
     def _load_calibration(self, engine: _core.Engine) -> None:
+        with self._calibration_lock:
+            self._load_calibration_locked(engine)
+
+    def _load_calibration_locked(self, engine: _core.Engine) -> None:
         if self._calibration_key is None or engine.policy_state()["calibrated"]:
             return
         stored = calibration.load(self._calibration_key)

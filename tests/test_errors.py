@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +332,25 @@ def test_a_chat_template_is_bounded_in_time_and_memory(
     with pytest.raises(ValueError, match=why):
         with sd.SpeculativeDecoder(tiny_pair.target, n_ctx=64, chat_template=template) as dec:
             dec.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "batch", [[["1", 0.1]], [[True, 0.1]], [[2**40, 0.1]], [[0, 0.1]], [[1, 0.1, 2]], 3, [[1, "x"]]]
+)
+def test_a_calibration_file_with_damaged_batch_costs_is_measured_again(
+    batch: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specdec_native import calibration
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    inputs = {"model": "m"}
+    calibration.save(inputs, calibration.Stored([1.0, 2.0], [1.0, 1.0], 0, [(1, 0.1)], []))
+    assert calibration.load(inputs) == calibration.Stored([1.0, 2.0], [1.0, 1.0], 0, [(1, 0.1)])
+    path = calibration._path(inputs)
+    record = json.loads(path.read_text())
+    record["batch_verify_costs"] = batch
+    path.write_text(json.dumps(record))
+    assert calibration.load(inputs) is None
 
 
 def test_a_calibration_file_nested_past_parsing_is_measured_again(
