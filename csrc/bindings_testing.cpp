@@ -190,6 +190,9 @@ void bind_testing(py::module_ m) {
             py::arg("seq"), py::arg("output_start"), py::arg("k"),
             "What a copy of the prediction drafts after `seq` (prompt + output), at most k.");
 
+    m.def("common_subsequence", &common_subsequence, py::arg("a"), py::arg("b"),
+          "The length of a's and b's longest common subsequence.");
+
     // The calibration's estimates from timed sweeps, exposed for unit tests.
     m.def(
         "estimate_costs",

@@ -676,6 +676,9 @@ void Generation::hand_over_text() {
 void Generation::publish(std::exception_ptr error) {
     if (!error) emit(text_.flush(), true);
     result_.stats.n_generated = static_cast<int>(result_.tokens.size());
+    if (prediction_)
+        result_.stats.n_prediction_in_output =
+            static_cast<int>(prediction_->tokens_in(result_.tokens));
     result_.stats.t_total = seconds_since(admitted_);
     {
         std::lock_guard<std::mutex> lock(channel_->mutex);

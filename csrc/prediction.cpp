@@ -76,4 +76,39 @@ void Prediction::copy(NgramMatch m, int k, Draft& out) const {
     out.q.assign(out.tokens.size(), nullptr);
 }
 
+size_t Prediction::tokens_in(const std::vector<llama_token>& output) const {
+    return common_subsequence(tokens_, output);
+}
+
+size_t common_subsequence(const std::vector<llama_token>& a, const std::vector<llama_token>& b) {
+    if (a.empty() || b.empty()) return 0;
+    // Where each token stands in a, sorted by token: the bits of a's positions that hold it.
+    std::vector<std::pair<llama_token, uint32_t>> at(a.size());
+    for (size_t i = 0; i < a.size(); ++i) at[i] = {a[i], static_cast<uint32_t>(i)};
+    std::sort(at.begin(), at.end());
+    // Bit i of v is 0 once a[i] is matched in a longest common subsequence so far.
+    const size_t words = (a.size() + 63) / 64;
+    std::vector<uint64_t> v(words, ~uint64_t{0}), u(words);
+    for (const llama_token c : b) {
+        const auto lo = std::lower_bound(at.begin(), at.end(), std::make_pair(c, uint32_t{0}));
+        if (lo == at.end() || lo->first != c) continue;  // u = 0 leaves v as it is
+        std::fill(u.begin(), u.end(), 0);
+        for (auto it = lo; it != at.end() && it->first == c; ++it)
+            u[it->second / 64] |= uint64_t{1} << (it->second % 64);
+        // v = (v + (v & m_c)) | (v - (v & m_c)), carries and borrows across words.
+        uint64_t carry = 0, borrow = 0;
+        for (size_t w = 0; w < words; ++w) {
+            const uint64_t x = v[w], y = x & u[w];
+            const uint64_t sum = x + y, total = sum + carry;
+            carry = static_cast<uint64_t>(sum < x) | static_cast<uint64_t>(total < sum);
+            const uint64_t diff = x - y, rest = diff - borrow;  // y's bits are x's: no underflow
+            borrow = static_cast<uint64_t>(diff < borrow);
+            v[w] = total | rest;
+        }
+    }
+    size_t unmatched = 0;
+    for (size_t i = 0; i < a.size(); ++i) unmatched += (v[i / 64] >> (i % 64)) & 1;
+    return a.size() - unmatched;
+}
+
 }  // namespace specdec

@@ -24,6 +24,9 @@ class Prediction {
     NgramMatch match(const std::vector<llama_token>& seq, size_t output_start);
     // Up to k tokens of the prediction from m.from.
     void copy(NgramMatch m, int k, Draft& out) const;
+    // How many of the prediction's tokens `output` holds, in order: their longest common
+    // subsequence (OpenAI's accepted prediction tokens; the rest are its rejected ones).
+    size_t tokens_in(const std::vector<llama_token>& output) const;
 
   private:
     // Follows the output from where it was read last; `at_` is -1 where it went its own way.
@@ -41,5 +44,9 @@ class Prediction {
     long at_ = 0;      // the prediction's position the output goes on at; -1: none
     long last_ = 0;    // where the output last kept to the prediction
 };
+
+// The length of a's and b's longest common subsequence, in O(|a| |b| / 64) time and O(|a|)
+// memory (bit-parallel, after Allison and Dix / Hyyrö).
+size_t common_subsequence(const std::vector<llama_token>& a, const std::vector<llama_token>& b);
 
 }  // namespace specdec

@@ -32,14 +32,15 @@ struct Stats {
     int n_argmax_drafted = 0;  // sampling: model drafts that were q's argmax (point masses)
     int accepted_by[kDraftSources] = {};
     int n_prediction = 0;  // tokens of the request's prediction (as far as the context goes)
-    std::vector<int> accepted_at;  // [i]: times draft position i+1 was accepted
-    std::vector<int> proposed_at;  // [i]: times draft position i+1 was proposed
-    double t_queue = 0.0;          // seconds: waiting for the engine (another call ran)
-    double t_prompt = 0.0;         // seconds: prompt decode, both models
-    double t_first_token = 0.0;    // seconds: from the call to its first token (0: none)
-    double t_draft = 0.0;          // seconds: drafting
-    double t_verify = 0.0;         // seconds: target decodes and acceptance
-    double t_total = 0.0;          // seconds: the whole call
+    int n_prediction_in_output = 0;  // of them, the output's (their longest common subsequence)
+    std::vector<int> accepted_at;    // [i]: times draft position i+1 was accepted
+    std::vector<int> proposed_at;    // [i]: times draft position i+1 was proposed
+    double t_queue = 0.0;            // seconds: waiting for the engine (another call ran)
+    double t_prompt = 0.0;           // seconds: prompt decode, both models
+    double t_first_token = 0.0;      // seconds: from the call to its first token (0: none)
+    double t_draft = 0.0;            // seconds: drafting
+    double t_verify = 0.0;           // seconds: target decodes and acceptance
+    double t_total = 0.0;            // seconds: the whole call
 
     void count_proposal(int k) {
         if (steps_at_k.size() <= static_cast<size_t>(k)) steps_at_k.resize(k + 1, 0);
@@ -82,6 +83,7 @@ struct Stats {
         field("drafted_by_prediction", drafted_by[4]);
         field("accepted_by_prediction", accepted_by[4]);
         field("n_prediction", n_prediction);
+        field("n_prediction_in_output", n_prediction_in_output);
         field("n_argmax_drafted", n_argmax_drafted);
         field("accepted_at", accepted_at);
         field("proposed_at", proposed_at);

@@ -125,6 +125,7 @@ class Stats:
     drafted_by_prediction: int  # copied from the output the caller predicted
     accepted_by_prediction: int
     n_prediction: int  # tokens of the prediction (as far as the context goes)
+    n_prediction_in_output: int  # of them, the output's, in order (longest common subsequence)
     n_argmax_drafted: int  # sampling: model drafts that were the draft's argmax (point masses)
     accepted_at: list[int]
     proposed_at: list[int]
@@ -1469,7 +1470,8 @@ class SpeculativeDecoder:
         one without a draft model or n-gram drafting too (there the call also copies its own
         text, and under "auto" the first such call measures the costs). Its copies' acceptance
         is learnt over the decoder's calls. ``stats.drafted_by_prediction``,
-        ``accepted_by_prediction`` and ``n_prediction`` count its tokens.
+        ``accepted_by_prediction``, ``n_prediction`` and ``n_prediction_in_output`` count its
+        tokens.
         Ctrl-C raises KeyboardInterrupt; the decoder stays usable.
         """
         settings = GenerationSettings.checked(

@@ -626,17 +626,16 @@ def _finish_reason(result: GenerationResult) -> str:
 
 def _usage(result: GenerationResult) -> dict[str, Any]:
     s = result.stats
-    # Accepted drafts past a stop string are not kept.
-    accepted = min(s.accepted_by_prediction, s.n_generated, s.n_prediction)
     return {
         "prompt_tokens": s.n_prompt,
         "completion_tokens": s.n_generated,
         "total_tokens": s.n_prompt + s.n_generated,
         "prompt_tokens_details": {"cached_tokens": s.n_prompt_cached},
-        # As OpenAI counts them: the prediction's tokens the output kept, and the rest of it.
+        # As OpenAI counts them: the prediction's tokens that appear in the output (in order),
+        # and the rest of it, however the output was drafted.
         "completion_tokens_details": {
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": s.n_prediction - accepted,
+            "accepted_prediction_tokens": s.n_prediction_in_output,
+            "rejected_prediction_tokens": s.n_prediction - s.n_prediction_in_output,
         },
     }
 

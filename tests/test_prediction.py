@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from conftest import NEAR_TIE_GAP
 from helpers import assert_same_or_near_tie, assert_stats_add_up, engine_request
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from test_distribution import assert_copies_keep_the_distribution
 
 import specdec_native as sd
@@ -64,6 +66,29 @@ def test_where_the_output_leaves_a_prediction_its_last_tokens_find_it_again() ->
     assert drafts_as_the_output_grows(prediction, [5, 1, 5, 2, 5, 3, 5], 3)[-1] == [1, 5, 2]
     # A token the prediction ends on has nothing after it to copy.
     assert drafts_as_the_output_grows([1, 2, 3], [7, 3], 3)[-1] == []
+
+
+def _common_subsequence_by_table(a: list[int], b: list[int]) -> int:
+    row = [0] * (len(b) + 1)
+    for x in a:
+        diagonal = 0
+        for j, y in enumerate(b):
+            diagonal, row[j + 1] = row[j + 1], (diagonal + 1 if x == y else max(row[j + 1], row[j]))
+    return row[-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), max_size=200),
+    st.lists(st.integers(0, 5), max_size=200),
+)
+@example([0] * 130, [0] * 130)  # every step carries across words
+@example([1, 2] * 70, [2, 1] * 70)
+def test_the_prediction_tokens_in_an_output_are_their_common_subsequence(
+    a: list[int], b: list[int]
+) -> None:
+    # Up to 200 tokens: runs of words, so that carries cross them.
+    assert testing.common_subsequence(a, b) == _common_subsequence_by_table(a, b)
 
 
 def test_the_output_predicted_is_drafted_whole(alone: sd.SpeculativeDecoder) -> None:
