@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, TypeVar
@@ -256,7 +257,7 @@ def _draft_option_value(n_draft: str) -> int | str:
 
     if n_draft == "auto":
         return n_draft
-    k = _draft_length(n_draft, "-k/--draft-max must be 'auto' or an integer")
+    k = _draft_length(n_draft, f"-k/--draft-max must be 'auto' or an integer in [0, {MAX_DRAFT}]")
     if not 0 <= k <= MAX_DRAFT:
         raise click.ClickException(f"-k/--draft-max must be in [0, {MAX_DRAFT}], got {k}")
     return k
@@ -289,6 +290,8 @@ def _chat_template_value(value: str | None) -> str | None:
     except (OSError, ValueError):  # too long, or a NUL, for a path: the template's text
         is_file = False
     if value is None or not is_file:
+        if value is not None and _names_a_file(value):
+            raise click.ClickException(f"the chat template file {value} does not exist")
         return value
     try:
         text = Path(value).read_text(encoding="utf-8")
@@ -297,6 +300,14 @@ def _chat_template_value(value: str | None) -> str | None:
     if not text.strip():
         raise click.ClickException(f"the chat template file {value} is empty")
     return text
+
+
+def _names_a_file(value: str) -> bool:
+    """Whether a --chat-template value that is no file was meant as one (not a name or the
+    template's own text)."""
+    if "{{" in value or "{%" in value or "\n" in value:
+        return False
+    return "/" in value or value.endswith((".jinja", ".jinja2", ".j2", ".tmpl", ".txt"))
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
@@ -386,7 +397,10 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
     "--draft", "draft", type=click.Path(path_type=Path), help="Draft model GGUF, or 'ngram'."
 )
 @click.option(
-    "--ngram", is_flag=True, help="With a draft model: try n-gram matches in the context first."
+    "--ngram",
+    is_flag=True,
+    help="With a draft model: try n-gram matches in the context first; without one, n-gram "
+    "drafting alone (as --draft ngram).",
 )
 @click.option(
     "--ngram-min", default=1, show_default=True, type=int, help="Shortest n-gram matched."
@@ -920,7 +934,9 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     help="Default K per step, or 'auto' (a request's speculative.n_max overrides it).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="SPECDEC_HOST")
-@click.option("--port", default=8080, show_default=True, type=int, envvar="SPECDEC_PORT")
+@click.option(
+    "--port", default=8080, show_default=True, type=click.IntRange(0, 65535), envvar="SPECDEC_PORT"
+)
 @click.option(
     "--api-key", default=None, envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY'."
 )
@@ -1151,17 +1167,37 @@ def serve(
 
     server = Server(config)
     running.append(server)
+    listening = _listening_socket(host, port)
     url = f"http://{host}:{port}"
     server_log.info("serving", extra={"fields": {"model": settings.model_alias, "url": url}})
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: make that
     # one a no-op, so that a drained server exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run()
+    server.run(sockets=[listening])
     # Drained: a SIGTERM from now on (a second one, say) must not kill the exit, and Python
     # restores default handlers as it finalizes, all but ignored ones.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if app.state.server.load_error:
         raise click.ClickException(app.state.server.load_error)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound here so that an address it cannot have (taken, or no such
+    host) is this command's one-line error rather than uvicorn's log lines."""
+    # As uvicorn binds it: IPv6 for an address with a colon, else IPv4 ("localhost" included).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+    except (OSError, UnicodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise click.ClickException(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
 
 
 @cli.group()
@@ -1237,7 +1273,12 @@ def models_deep_pair(
 
 
 @models.command("zoo")
-@click.option("--seed", required=True, type=int, help="Which pairs: the same seed, the same pairs.")
+@click.option(
+    "--seed",
+    required=True,
+    type=click.IntRange(min=0),
+    help="Which pairs: the same seed, the same pairs.",
+)
 @click.option("--count", default=3, show_default=True, type=click.IntRange(0, 20))
 @click.option("--dry-run", is_flag=True, help="List the recipes without building them.")
 @user_errors
@@ -1257,7 +1298,7 @@ def models_zoo(seed: int, count: int, dry_run: bool) -> None:
 
 @models.command("tiny-pair")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--noise", default=0.5, show_default=True, type=float, help="Draft's head noise.")
 @user_errors
 def models_tiny_pair(out_dir: Path, seed: int, noise: float) -> None:

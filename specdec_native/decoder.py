@@ -432,6 +432,8 @@ def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
         return []
     if isinstance(stop, (bytes, bytearray, memoryview)):
         raise ArgumentTypeError("stop must be a str or a list of str, not bytes")
+    if not isinstance(stop, (str, Iterable)):
+        raise ArgumentTypeError(f"stop must be a str or a list of str, got {type(stop).__name__}")
     items = [stop] if isinstance(stop, str) else list(stop)
     for s in items:
         _check_text("a stop string", s)
@@ -686,7 +688,7 @@ def constraint_of(
     """generate()'s grammar arguments as one (kind, text), at most one of them given: a JSON
     schema (a dict, or its JSON text), a Lark grammar, a regular expression, or any JSON object."""
     values = {"json_schema": json_schema, "lark": grammar, "regex": regex}
-    values["json_object"] = "" if json_object else None
+    values["json_object"] = "" if _check_bool("json_object", json_object) else None
     given = [(kind, value) for kind, value in values.items() if value is not None]
     if len(given) > 1:
         raise ValueError(
@@ -1053,9 +1055,19 @@ class SpeculativeDecoder:
         closes the decoder first (a generation running ends "cancelled"); it then raises
         EngineClosedError.
         """
+        from llama_cpp import Llama
+
         draft_llm = None if draft is None or isinstance(draft, str) else draft
-        for name, llm in (("target", target), ("draft", draft_llm)):
-            if llm is not None and _model_address(llm) == 0:
+        llms = [("target", target)] + ([("draft", draft_llm)] if draft_llm is not None else [])
+        for name, llm in llms:
+            if not isinstance(llm, Llama):
+                raise ArgumentTypeError(
+                    f"the {name} must be a llama_cpp.Llama"
+                    + (', "ngram" or None' if name == "draft" else "")
+                    + f", got {type(llm).__name__}"
+                )
+        for name, llm in llms:
+            if _model_address(llm) == 0:
                 raise ValueError(f"the {name} Llama has no loaded model (closed?)")
         kwargs.setdefault("n_ctx", max(int(target.n_ctx()), 16))
         kwargs.setdefault("n_gpu_layers", int(target.model_params.n_gpu_layers))
@@ -1196,6 +1208,10 @@ class SpeculativeDecoder:
         ``tools`` (OpenAI's shape), and messages with "tool_calls" (arguments as objects),
         need a Jinja template that takes tools (``tool_syntax.templated``); it also sees a
         tool message's "tool_call_id"."""
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+            raise ArgumentTypeError(
+                f"messages must be a list of message dicts, got {type(messages).__name__}"
+            )
         checked = [_chat_message(i, m) for i, m in enumerate(messages)]
         if not checked:
             raise ValueError("messages must not be empty")

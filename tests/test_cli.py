@@ -186,6 +186,7 @@ LONG = "x" * 300  # a file name over the usual 255-byte limit
         (("--top-k", "2147483648"), None, "top_k must be in"),
         (("-ngl", str(10**12)), None, "n_gpu_layers must be in"),
         (("-k", str(2**40)), None, "-k/--draft-max must be in"),
+        (("-k", "-3"), None, "-k/--draft-max must be 'auto' or an integer in [0, 64]"),
         ((), "", "standard input is empty"),
         ((), "  \n\t ", "standard input is empty"),
         (("-f", LONG), None, ""),
@@ -730,3 +731,4 @@ def test_models_zoo_lists_its_pairs_without_building_them() -> None:
     assert [row["name"] for row in rows] == [m.name for m in models.zoo_members(1, 3)]
     assert all("target" not in row for row in rows)
     assert_one_line_error(run_cli("models", "zoo", "--seed", "1", "--count", "-1"), "count")
+    assert_one_line_error(run_cli("models", "zoo", "--seed", "-1", "--dry-run"), "--seed")

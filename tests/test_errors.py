@@ -180,6 +180,26 @@ def test_a_prompt_of_another_type(tiny_decoder: sd.SpeculativeDecoder) -> None:
         tiny_decoder.generate(42, 3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"stop": 5}, "stop must be a str or a list of str, got int"),
+        ({"json_object": 1}, "json_object must be True or False"),
+    ],
+)
+def test_arguments_of_another_type(
+    tiny_decoder: sd.SpeculativeDecoder, kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(TypeError, match=match):
+        tiny_decoder.generate("the", 3, **kwargs)
+
+
+@pytest.mark.parametrize("messages", ["hi", {"role": "user", "content": "hi"}, 5])
+def test_chat_messages_of_another_type(tiny_decoder: sd.SpeculativeDecoder, messages: Any) -> None:
+    with pytest.raises(TypeError, match="messages must be a list of message dicts"):
+        tiny_decoder.apply_chat_template(messages)
+
+
 def test_a_path_too_long_for_the_file_system(tmp_path: Path) -> None:
     with pytest.raises((FileNotFoundError, ValueError)):
         sd.SpeculativeDecoder(tmp_path / ("x" * 300 + ".gguf"))

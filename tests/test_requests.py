@@ -18,6 +18,7 @@ from helpers import assert_same_or_near_tie
 
 import specdec_native as sd
 from specdec_native import models
+from specdec_native.decoder import ArgumentTypeError
 
 HISTORY = "A long conversation about the sea, its ships and their sailors. " * 12
 
@@ -272,6 +273,10 @@ def test_from_llama_with_a_draft_llama_and_after_close(smollm2: Path, smollm2_q4
     assert dec.closed
     with pytest.raises(ValueError, match="no loaded model"):
         sd.SpeculativeDecoder.from_llama(target)
+    with pytest.raises(ArgumentTypeError, match="target must be a llama_cpp.Llama, got str"):
+        sd.SpeculativeDecoder.from_llama(str(smollm2))
+    with pytest.raises(ArgumentTypeError, match="draft must be a llama_cpp.Llama"):
+        sd.SpeculativeDecoder.from_llama(target, 5)
 
 
 def test_decoders_from_one_llama_free_their_contexts_when_closed(smollm2_q40: Path) -> None:

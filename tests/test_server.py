@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -599,6 +600,22 @@ def serve_refusal(*options: str) -> str:
     return r.stderr.strip().splitlines()[-1]
 
 
+def test_an_address_the_server_cannot_have_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "cli.main", "serve", "--port", str(port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert serve_refusal("--host", "999.1.1.1").startswith("Error: cannot listen on 999.1.1.1:1: ")
+
+
 def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}")
@@ -607,6 +624,10 @@ def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
     for value in ("no-such-template", str(bad)):
         assert "chat template" in serve_refusal("--chat-template", value)
     assert "is empty" in serve_refusal("--chat-template", str(empty))
+    for missing in (str(tmp_path / "missing.jinja"), "template.jinja"):
+        assert serve_refusal("--chat-template", missing).endswith(
+            f"the chat template file {missing} does not exist"
+        )
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "1e9", "0.00001"])
