@@ -12,6 +12,7 @@ load_shared_libllama()
 from specdec_native._core import (  # noqa: E402
     CancelFlag,
     ContextOverflowError,
+    FileError,
     ModelLoadError,
     NonFiniteLogitsError,
     ReentrantCallError,
@@ -34,6 +35,7 @@ __all__ = [
     "CancelFlag",
     "ContextOverflowError",
     "EngineClosedError",
+    "FileError",
     "FinishReason",
     "GenerationResult",
     "GenerationSettings",

@@ -197,6 +197,7 @@ class _Sampling(_Body):
     seed: Optional[int] = Field(
         None, ge=-(1 << 63), le=(1 << 64) - 1, description="-1: a random seed, as llama-server's"
     )
+    user: Optional[str] = Field(None, description="the end user's id (accepted, not used)")
     stop: Union[str, list[str], None] = Field(
         None, description=f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters"
     )

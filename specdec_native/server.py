@@ -1401,6 +1401,9 @@ def _body_too_large() -> RequestError:
 
 
 async def _read_body(request: Request) -> bytes:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise RequestError(415, f"the body's Content-Encoding {encoding!r} is not supported")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _body_too_large()
@@ -1507,7 +1510,9 @@ def create_app(
         starting.cancel()
         server.close()
 
-    app = FastAPI(title="specdec", lifespan=lifespan)
+    # redirect_slashes: a path with a slash too many is a 404 in OpenAI's shape, not a redirect
+    # that clients follow as GETs.
+    app = FastAPI(title="specdec", lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
 
     # Refusals raised from an endpoint (a key /v1/models wants) or by the router (an unknown
@@ -1585,7 +1590,7 @@ def create_app(
             )
         return JSONResponse(model)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if server.ready:
             return JSONResponse({"status": "ok"})

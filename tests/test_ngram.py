@@ -299,7 +299,7 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
         first = engine.generate(engine_request(prompt, 24, 0, 3, temperature=0.0))
         dec.save_ngram_index(path)
         held = dec.ngram_index["tokens"]
-        with pytest.raises(OSError, match="cannot write"):
+        with pytest.raises(sd.FileError, match="cannot write"):
             dec.save_ngram_index(tmp_path / "no-such-dir" / "index.bin")
         (tmp_path / "a-dir" / "inside").mkdir(parents=True)  # written, but not renamed over
         with pytest.raises(OSError, match="cannot write"):

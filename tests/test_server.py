@@ -1312,11 +1312,26 @@ def test_fields_that_would_change_the_answer_are_refused_unless_off(chat_server:
 
 
 def test_an_unknown_path_or_method_is_an_openai_error(chat_server: Server) -> None:
+    chat = chat_server.url + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for r, status in (
-        (httpx.get(chat_server.url + "/v1/chat/completions", timeout=10), 405),
+        (httpx.get(chat, timeout=10), 405),
         (httpx.post(chat_server.url + "/v1/nope", json={}, timeout=10), 404),
+        (httpx.post(chat + "/", json=body, timeout=10), 404),  # not a redirect
+        (httpx.post(chat, json={**body, "user": 5}, timeout=10), 400),
+        (
+            httpx.post(
+                chat,
+                content=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+                timeout=10,
+            ),
+            415,
+        ),
     ):
         assert r.status_code == status and set(r.json()["error"]) >= {"message", "type"}, r.text
+    assert httpx.head(chat_server.url + "/health", timeout=10).status_code == 200
+    assert httpx.post(chat, json={**body, "user": "u-1"}, timeout=60).status_code == 200
 
 
 def test_structured_output_that_could_not_be_whole_is_refused(chat_server: Server) -> None:
