@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn, TypeVar
 
@@ -133,6 +134,8 @@ def progress(msg: str) -> None:
 @click.version_option(package_name="specdec")
 def cli() -> None:
     """Speculative decoding for GGUF models on llama.cpp."""
+    # The library's warnings (a draft dropped, -ngl on a build without a GPU) as one line each.
+    warnings.formatwarning = lambda message, category, *_: f"[specdec] warning: {message}\n"
 
 
 def gpu_layers_option(help_text: str, envvar: str | None = None) -> Callable[[F], F]:

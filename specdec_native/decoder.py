@@ -994,6 +994,13 @@ class SpeculativeDecoder:
             n_gpu_layers=n_gpu_layers,
             draft_n_gpu_layers=draft_n_gpu_layers,
         )
+        if (n_gpu_layers or d_ngl) and not _core.supports_gpu_offload():
+            warnings.warn(
+                "this llama.cpp build has no GPU offload: the layers stay on the CPU "
+                "(README: GPUs and other CPUs)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._engine: _core.Engine | None = _core.Engine(
             target_path,
             draft_path,

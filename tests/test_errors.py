@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import specdec_native as sd
-from specdec_native import models
+from specdec_native import _core, models
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -198,6 +198,14 @@ def test_arguments_of_another_type(
 def test_chat_messages_of_another_type(tiny_decoder: sd.SpeculativeDecoder, messages: Any) -> None:
     with pytest.raises(TypeError, match="messages must be a list of message dicts"):
         tiny_decoder.apply_chat_template(messages)
+
+
+@pytest.mark.skipif(_core.supports_gpu_offload(), reason="this build offloads layers")
+def test_gpu_layers_on_a_build_without_gpu_offload_are_a_warning(
+    tiny_pair: models.ModelPair,
+) -> None:
+    with pytest.warns(RuntimeWarning, match="no GPU offload"):
+        sd.SpeculativeDecoder(tiny_pair.target, n_gpu_layers=-1, n_ctx=64).close()
 
 
 def test_a_path_too_long_for_the_file_system(tmp_path: Path) -> None:
