@@ -294,7 +294,8 @@ def _chat_template_value(value: str | None) -> str | None:
         is_file = False
     if value is None or not is_file:
         if value is not None and _names_a_file(value):
-            raise click.ClickException(f"the chat template file {value} does not exist")
+            missing = "is not a file" if Path(value).exists() else "does not exist"
+            raise click.ClickException(f"the chat template file {value} {missing}")
         return value
     try:
         text = Path(value).read_text(encoding="utf-8")
@@ -1197,9 +1198,9 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         except OSError:
             sock.close()
             raise
-    except (OSError, UnicodeError) as e:
+    except (OSError, UnicodeError, TypeError) as e:  # TypeError: a host IDNA cannot encode
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise click.ClickException(f"cannot listen on {host}:{port}: {reason}") from None
+        raise click.ClickException(f"cannot listen on {host!r}:{port}: {reason}") from None
     return sock
 
 

@@ -183,6 +183,7 @@ void bind_testing(py::module_ m) {
                int k) {
                 if (output_start > seq.size())
                     throw py::value_error("output_start is past the sequence");
+                if (k < 0) throw py::value_error("k must be >= 0");
                 Draft draft;
                 prediction.copy(prediction.match(seq, output_start), k, draft);
                 return draft.tokens;

@@ -416,7 +416,7 @@ AdaptivePolicy Engine::policy() const {
 
 BatchCosts Engine::batch_costs() const {
     std::lock_guard<std::mutex> lock(policy_mutex_);
-    return batch_costs_;
+    return stored_batch_costs_ ? *stored_batch_costs_ : batch_costs_;
 }
 
 const ConstraintVocab& Engine::constraint_vocab() {
@@ -475,6 +475,7 @@ void Engine::schedule() {
             continue;
         }
         try {
+            adopt_stored_batch_costs();
             admit_waiting();
             if (any_active()) step();
         } catch (const Cancelled&) {

@@ -163,6 +163,8 @@ class Engine {
     // Moves waiting requests into free slots (the one whose cache shares the longest prefix
     // with the prompt).
     void admit_waiting();
+    // Takes up batch costs set_calibration read from a store (the scheduler's to write).
+    void adopt_stored_batch_costs();
     int pick_slot(const std::vector<llama_token>& prompt) const;
     void start(const std::shared_ptr<RequestChannel>& channel, int seq);
     bool needs_calibration(const GenerateRequest& request) const;
@@ -243,6 +245,10 @@ class Engine {
     mutable std::mutex policy_mutex_;
     AdaptivePolicy policy_;
     BatchCosts batch_costs_;
+    // Batch costs from set_calibration, until the scheduler takes them up before its next
+    // admission: a caller must not wait for the running requests to set them.
+    std::optional<BatchCosts> stored_batch_costs_;
+    std::atomic<bool> stored_batch_costs_pending_{false};
 
     std::mutex queue_mutex_;  // waiting_, jobs_
     std::condition_variable wake_;

@@ -147,7 +147,6 @@ void Engine::calibrate(const std::vector<llama_token>& context,
 void Engine::set_calibration(std::vector<double> verify_costs, std::vector<double> draft_costs,
                              std::vector<std::pair<int, double>> batch_verify,
                              std::vector<std::pair<int, double>> batch_draft) {
-    check_not_in_callback("set the calibration");
     // All checked before anything changes: costs that do not fit are measured instead.
     BatchCosts batch;
     if (config_.n_parallel > 1) {
@@ -159,16 +158,19 @@ void Engine::set_calibration(std::vector<double> verify_costs, std::vector<doubl
     }
     AdaptivePolicy checked;
     checked.calibrate(verify_costs, draft_costs, 0.0);
-    const auto set = [&] {
-        std::lock_guard<std::mutex> lock(policy_mutex_);
-        policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
-        batch_costs_ = std::move(batch);
-    };
-    // batch_costs_ is the scheduler thread's to write (its steps read it without the lock).
-    if (config_.n_parallel > 1)
-        run_exclusive(set, nullptr);
-    else
-        set();
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    policy_.calibrate(std::move(verify_costs), std::move(draft_costs), 0.0);
+    if (config_.n_parallel > 1) {
+        stored_batch_costs_ = std::move(batch);
+        stored_batch_costs_pending_.store(true);
+    }
+}
+
+void Engine::adopt_stored_batch_costs() {
+    if (!stored_batch_costs_pending_.exchange(false)) return;
+    std::lock_guard<std::mutex> lock(policy_mutex_);
+    if (stored_batch_costs_) batch_costs_ = std::move(*stored_batch_costs_);
+    stored_batch_costs_.reset();
 }
 
 void Engine::calibrate_locked(const std::vector<llama_token>& context) {
@@ -207,6 +209,8 @@ void Engine::calibrate_locked(const std::vector<llama_token>& context) {
     std::lock_guard<std::mutex> lock(policy_mutex_);
     policy_ = std::move(policy);
     batch_costs_ = std::move(batch_costs);
+    stored_batch_costs_.reset();  // measured now: a stored set waiting to be taken up is older
+    stored_batch_costs_pending_.store(false);
 }
 
 BatchCosts Engine::measure_batch_costs(const std::vector<llama_token>& context,

@@ -676,6 +676,7 @@ void Generation::hand_over_text() {
 void Generation::publish(std::exception_ptr error) {
     if (!error) emit(text_.flush(), true);
     result_.stats.n_generated = static_cast<int>(result_.tokens.size());
+    // About n_prediction / 64 word operations per output token: nothing beside its decode.
     if (prediction_)
         result_.stats.n_prediction_in_output =
             static_cast<int>(prediction_->tokens_in(result_.tokens));

@@ -86,19 +86,43 @@ size_t common_subsequence(const std::vector<llama_token>& a, const std::vector<l
     std::vector<std::pair<llama_token, uint32_t>> at(a.size());
     for (size_t i = 0; i < a.size(); ++i) at[i] = {a[i], static_cast<uint32_t>(i)};
     std::sort(at.begin(), at.end());
-    // Bit i of v is 0 once a[i] is matched in a longest common subsequence so far.
     const size_t words = (a.size() + 63) / 64;
+    const auto set_bits = [](auto from, auto to, uint64_t* bits) {
+        for (auto it = from; it != to; ++it)
+            bits[it->second / 64] |= uint64_t{1} << (it->second % 64);
+    };
+    // A token in more places than a bit vector has words gets its vector built once, so that a
+    // repetitive prediction costs what a varied one does: O(|a| |b| / 64).
+    std::vector<std::pair<llama_token, size_t>> built;  // (token, offset in masks), sorted
+    std::vector<uint64_t> masks;
+    for (auto run = at.begin(); run != at.end();) {
+        const auto end =
+            std::find_if(run, at.end(), [&](const auto& p) { return p.first != run->first; });
+        if (static_cast<size_t>(end - run) > words) {
+            built.emplace_back(run->first, masks.size());
+            masks.resize(masks.size() + words, 0);
+            set_bits(run, end, masks.data() + built.back().second);
+        }
+        run = end;
+    }
+    // Bit i of v is 0 once a[i] is matched in a longest common subsequence so far.
     std::vector<uint64_t> v(words, ~uint64_t{0}), u(words);
     for (const llama_token c : b) {
         const auto lo = std::lower_bound(at.begin(), at.end(), std::make_pair(c, uint32_t{0}));
-        if (lo == at.end() || lo->first != c) continue;  // u = 0 leaves v as it is
-        std::fill(u.begin(), u.end(), 0);
-        for (auto it = lo; it != at.end() && it->first == c; ++it)
-            u[it->second / 64] |= uint64_t{1} << (it->second % 64);
-        // v = (v + (v & m_c)) | (v - (v & m_c)), carries and borrows across words.
+        if (lo == at.end() || lo->first != c) continue;  // no bits: v stays as it is
+        const auto f = std::lower_bound(built.begin(), built.end(), std::make_pair(c, size_t{0}));
+        const uint64_t* bits = u.data();
+        if (f != built.end() && f->first == c) {
+            bits = masks.data() + f->second;
+        } else {
+            std::fill(u.begin(), u.end(), 0);
+            set_bits(lo, std::find_if(lo, at.end(), [&](const auto& p) { return p.first != c; }),
+                     u.data());
+        }
+        // v = (v + (v & bits)) | (v - (v & bits)), carries and borrows across words.
         uint64_t carry = 0, borrow = 0;
         for (size_t w = 0; w < words; ++w) {
-            const uint64_t x = v[w], y = x & u[w];
+            const uint64_t x = v[w], y = x & bits[w];
             const uint64_t sum = x + y, total = sum + carry;
             carry = static_cast<uint64_t>(sum < x) | static_cast<uint64_t>(total < sum);
             const uint64_t diff = x - y, rest = diff - borrow;  // y's bits are x's: no underflow

@@ -1033,9 +1033,9 @@ class SpeculativeDecoder:
         # Where the "auto" policy's cost curve came from: None (not yet), "measured", "cache".
         self._calibration: str | None = None
         self._cannot_pay_before = 0  # measurements in a row the stored curve could not pay by
-        # One thread reads the stored curve: with several slots setting it waits for no request
-        # to run, and first requests racing to set it would wait for each other.
+        # One thread at a time reads the stored curve: first requests racing for it set it once.
         self._calibration_lock = threading.Lock()
+        self._stored_read = False
         self._calibration_key = (
             calibration.inputs(
                 Path(target_path),
@@ -1337,7 +1337,12 @@ class SpeculativeDecoder:
             self._load_calibration_locked(engine)
 
     def _load_calibration_locked(self, engine: _core.Engine) -> None:
-        if self._calibration_key is None or engine.policy_state()["calibrated"]:
+        # Read once: a decoder that has not measured yet (a target alone that has had nothing
+        # to draft) finds what it found before.
+        if self._stored_read or self._calibration_key is None:
+            return
+        self._stored_read = True
+        if engine.policy_state()["calibrated"]:
             return
         stored = calibration.load(self._calibration_key)
         if stored is None:

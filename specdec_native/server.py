@@ -1401,8 +1401,8 @@ def _body_too_large() -> RequestError:
 
 
 async def _read_body(request: Request) -> bytes:
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding != "identity":
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
         raise RequestError(415, f"the body's Content-Encoding {encoding!r} is not supported")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:

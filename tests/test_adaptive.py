@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +332,40 @@ def test_a_decoder_of_several_slots_reuses_its_batch_costs(
         record["batch_verify_costs"] = [[2, 0.1], [1, 0.1]]
         path.write_text(json.dumps(record))
     assert first_request(3)["calibration"] == "measured"
+
+
+def test_a_stored_curve_is_read_without_waiting_for_running_requests(
+    smollm2_q40: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several slots, the first `auto` request reads the stored costs and shares the steps
+    of a request already running, rather than wait for it to end (its timeout, cancel flag and
+    Ctrl-C would not reach it meanwhile)."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+
+    def decoder() -> sd.SpeculativeDecoder:
+        return sd.SpeculativeDecoder(smollm2_q40, "ngram", n_parallel=2, n_ctx=1024)
+
+    with decoder() as dec:
+        key = dec._calibration_key
+    assert key is not None
+    verify = [0.01 * (1 + 0.2 * n) for n in range(11)]
+    batch = [(1, 0.01), (2, 0.012), (4, 0.016), (8, 0.026), (16, 0.045), (22, 0.06)]
+    calibration.save(key, calibration.Stored(verify, [0.0, 0.0], 0, batch, [(1, 0.0)]))
+    started = threading.Event()
+    with decoder() as dec, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            dec.generate, "Once upon a time", 300, n_draft=3, temperature=0.0,
+            ignore_eos=True, on_start=started.set,
+        )  # fmt: skip
+        assert started.wait(60)
+        short = dec.generate("Hello", 4, temperature=0.0, timeout=30)
+        assert not running.done(), "the stored curve waited for the running request"
+        state = dec.policy_state()
+        assert state["calibration"] == "cache"
+        # The stored sizes, moved by the decodes since (and sizes they added).
+        assert {rows for rows, _ in batch} <= {rows for rows, _ in state["batch_verify_costs"]}
+        running.result()
+    assert short.finish_reason == "length" and short.stats.n_shared_steps > 0
 
 
 def test_batch_costs_are_checked(tiny_pair: models.ModelPair) -> None:

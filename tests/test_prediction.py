@@ -84,6 +84,7 @@ def _common_subsequence_by_table(a: list[int], b: list[int]) -> int:
 )
 @example([0] * 130, [0] * 130)  # every step carries across words
 @example([1, 2] * 70, [2, 1] * 70)
+@example(list(range(150)), list(range(0, 150, 3)) + list(range(149, 0, -7)))  # bits set one by one
 def test_the_prediction_tokens_in_an_output_are_their_common_subsequence(
     a: list[int], b: list[int]
 ) -> None:

@@ -611,9 +611,10 @@ def test_an_address_the_server_cannot_have_is_one_line(tmp_path: Path) -> None:
         )  # fmt: skip
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
-        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
+        f"Error: cannot listen on '127.0.0.1':{port}: Address already in use"
     )
-    assert serve_refusal("--host", "999.1.1.1").startswith("Error: cannot listen on 999.1.1.1:1: ")
+    for host in ("999.1.1.1", "\u00e9" * 70):  # no such address; a name IDNA cannot encode
+        assert serve_refusal("--host", host).startswith(f"Error: cannot listen on {host!r}:1: ")
 
 
 def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
@@ -628,6 +629,7 @@ def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
         assert serve_refusal("--chat-template", missing).endswith(
             f"the chat template file {missing} does not exist"
         )
+    assert serve_refusal("--chat-template", str(tmp_path) + "/").endswith("is not a file")
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "1e9", "0.00001"])
