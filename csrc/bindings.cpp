@@ -346,8 +346,7 @@ PYBIND11_MODULE(_core, m) {
             py::arg("context"))
         .def("policy_state",
              [](const Engine& e) {
-                 const AdaptivePolicy p = e.policy();
-                 const BatchCosts batch = e.batch_costs();
+                 const auto [p, batch] = e.costs();
                  py::dict d;
                  d["calibrated"] = p.calibrated();
                  d["drafting_can_pay"] = p.calibrated() && p.can_ever_pay();

@@ -414,9 +414,9 @@ AdaptivePolicy Engine::policy() const {
     return policy_;
 }
 
-BatchCosts Engine::batch_costs() const {
+std::pair<AdaptivePolicy, BatchCosts> Engine::costs() const {
     std::lock_guard<std::mutex> lock(policy_mutex_);
-    return stored_batch_costs_ ? *stored_batch_costs_ : batch_costs_;
+    return {policy_, stored_batch_costs_ ? *stored_batch_costs_ : batch_costs_};
 }
 
 const ConstraintVocab& Engine::constraint_vocab() {

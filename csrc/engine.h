@@ -91,7 +91,8 @@ class Engine {
                          std::vector<std::pair<int, double>> batch_draft = {});
     // The policy as the last adaptive request left it (a copy: requests run on).
     AdaptivePolicy policy() const;
-    BatchCosts batch_costs() const;
+    // The policy and the batch costs at one moment (what is stored is one measurement's).
+    std::pair<AdaptivePolicy, BatchCosts> costs() const;
     RateCheck rate_check() const;
     // Whether `auto`'s steps are checked against measured target-only steps: `on` for steps of
     // one sequence (off by default: it did not win outside the noise on held-out zoo pairs),
