@@ -511,6 +511,32 @@ class ChatCompletionRequest(_Generation):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
+    @model_validator(mode="after")
+    def _tool_messages_answer_calls(self) -> ChatCompletionRequest:
+        # As OpenAI reads a conversation: each call of an assistant's message is answered by a
+        # tool message right after it (in any order), and a tool message answers one of them.
+        unanswered: list[str] = []
+        for i, m in enumerate(self.messages):
+            if m.role == "tool":
+                if m.tool_call_id not in unanswered:
+                    raise ValueError(
+                        f"'messages[{i}]': a tool message answers a call of the assistant "
+                        f"message before it, and none there is {m.tool_call_id!r} unanswered"
+                    )
+                unanswered.remove(m.tool_call_id)
+                continue
+            if unanswered:
+                raise ValueError(
+                    f"'messages[{i - 1}]': the calls {unanswered} have no tool message answering "
+                    "them before the next message"
+                )
+            unanswered = [c.id for c in m.tool_calls or []]
+        if unanswered:
+            raise ValueError(
+                f"the last message's calls {unanswered} have no tool message answering them"
+            )
+        return self
+
     @property
     def n_logprobs(self) -> int | None:
         """How many alternatives per token to report (None: no logprobs)."""
@@ -699,10 +725,23 @@ def _response_messages(instructions: str | None, given: str | list[dict[str, Any
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
     items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    called: set[str] = set()
+    answered: set[str] = set()
     for i, item in enumerate(items):
         message = _response_message(i, item)
         if message is None:
             continue
+        # As OpenAI reads the input: an output answers a call before it, and every call has one.
+        for call in message.get("tool_calls") or []:
+            called.add(call["id"])
+        if message["role"] == "tool":
+            if message["tool_call_id"] not in called:
+                raise BodyError(
+                    f"'input[{i}]': no function_call before it has call_id "
+                    f"{message['tool_call_id']!r}",
+                    "input",
+                )
+            answered.add(message["tool_call_id"])
         calls = message.get("tool_calls")
         last = messages[-1] if messages else None
         if (
@@ -716,6 +755,12 @@ def _response_messages(instructions: str | None, given: str | list[dict[str, Any
             messages.append(message)
     if not messages:
         raise BodyError("'input' needs at least one message", "input")
+    if called - answered:
+        raise BodyError(
+            f"'input': the function_call items {sorted(called - answered)} have no "
+            "function_call_output",
+            "input",
+        )
     return messages
 
 

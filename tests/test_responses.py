@@ -213,6 +213,46 @@ def test_bodies_it_cannot_answer_are_400s(server: Server, body: dict[str, Any], 
     assert match in error["message"] and error["type"] == "invalid_request_error"
 
 
+def test_tool_results_must_answer_calls(server: Server) -> None:
+    """As OpenAI refuses them: a tool result for no call, a call left without its result."""
+    tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    asked = [{"role": "user", "content": "Weather in Oslo?"},
+             {"role": "assistant", "content": None, "tool_calls": [call]}]  # fmt: skip
+    answer = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    for messages, message in (
+        ([*asked, {**answer, "tool_call_id": "call_2"}], "none there is 'call_2' unanswered"),
+        ([asked[0], answer], "none there is 'call_1' unanswered"),
+        ([*asked, answer, answer], "none there is 'call_1' unanswered"),  # answered twice
+        (asked, "have no tool message answering them"),
+        ([*asked, {"role": "user", "content": "and?"}], "have no tool message answering them"),
+    ):
+        body = {"messages": messages, "tools": [tool], "max_tokens": 8}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": [*asked, answer], "tools": [tool], "max_tokens": 8},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    fc = {"type": "function_call", "call_id": "c1", "name": "get_weather",
+          "arguments": '{"city": "Oslo"}'}  # fmt: skip
+    output = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    user = {"role": "user", "content": "Weather in Oslo?"}
+    for items, message in (
+        ([user, fc, {**output, "call_id": "c2"}], "no function_call before it has call_id 'c2'"),
+        ([user, output], "no function_call before it has call_id 'c1'"),
+        ([user, fc], "have no function_call_output"),
+    ):
+        body = {"input": items, "tools": [WEATHER], "max_output_tokens": 8}
+        r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and message in error["message"], r.text
+        assert error["param"] == "input"
+
+
 def test_errors_name_the_fields_the_client_sent(server: Server) -> None:
     """Bodies the chat request they map to refuses: their errors name the Responses API's
     fields, not the chat request's."""
