@@ -294,7 +294,10 @@ def _chat_template_value(value: str | None) -> str | None:
         is_file = False
     if value is None or not is_file:
         if value is not None and _names_a_file(value):
-            missing = "is not a file" if Path(value).exists() else "does not exist"
+            try:
+                missing = "is not a file" if Path(value).exists() else "does not exist"
+            except (OSError, ValueError) as e:  # a name too long, say
+                missing = f"cannot be read ({e.strerror if isinstance(e, OSError) else e})"
             raise click.ClickException(f"the chat template file {value} {missing}")
         return value
     try:

@@ -630,6 +630,7 @@ def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
             f"the chat template file {missing} does not exist"
         )
     assert serve_refusal("--chat-template", str(tmp_path) + "/").endswith("is not a file")
+    assert serve_refusal("--chat-template", "x" * 300 + ".jinja").endswith("File name too long)")
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "1e9", "0.00001"])
