@@ -82,52 +82,54 @@ size_t Prediction::tokens_in(const std::vector<llama_token>& output) const {
 
 size_t common_subsequence(const std::vector<llama_token>& a, const std::vector<llama_token>& b) {
     if (a.empty() || b.empty()) return 0;
-    // Where each token stands in a, sorted by token: the bits of a's positions that hold it.
+    // Where each token stands in a, sorted by token.
     std::vector<std::pair<llama_token, uint32_t>> at(a.size());
     for (size_t i = 0; i < a.size(); ++i) at[i] = {a[i], static_cast<uint32_t>(i)};
     std::sort(at.begin(), at.end());
     const size_t words = (a.size() + 63) / 64;
-    const auto set_bits = [](auto from, auto to, uint64_t* bits) {
-        for (auto it = from; it != to; ++it)
-            bits[it->second / 64] |= uint64_t{1} << (it->second % 64);
+    const auto set_bits = [&](size_t from, size_t to, uint64_t* bits) {
+        for (size_t i = from; i < to; ++i)
+            bits[at[i].second / 64] |= uint64_t{1} << (at[i].second % 64);
     };
-    // A token in more places than a bit vector has words gets its vector built once, so that a
+    // Each distinct token: its positions, at[begin, end). One in more places than a bit vector
+    // has words gets its bits built once (`mask`: their offset in masks, else -1), so that a
     // repetitive prediction costs what a varied one does: O(|a| |b| / 64).
-    std::vector<std::pair<llama_token, size_t>> built;  // (token, offset in masks), sorted
+    struct Run {
+        llama_token token;
+        size_t begin, end;
+        long mask;
+    };
+    std::vector<Run> runs;
     std::vector<uint64_t> masks;
-    for (auto run = at.begin(); run != at.end();) {
-        const auto end =
-            std::find_if(run, at.end(), [&](const auto& p) { return p.first != run->first; });
-        if (static_cast<size_t>(end - run) > words) {
-            built.emplace_back(run->first, masks.size());
+    for (size_t begin = 0, end = 0; begin < at.size(); begin = end) {
+        while (end < at.size() && at[end].first == at[begin].first) ++end;
+        long mask = -1;
+        if (end - begin > words) {
+            mask = static_cast<long>(masks.size());
             masks.resize(masks.size() + words, 0);
-            set_bits(run, end, masks.data() + built.back().second);
+            set_bits(begin, end, masks.data() + mask);
         }
-        run = end;
+        runs.push_back({at[begin].first, begin, end, mask});
     }
     // Bit i of v is 0 once a[i] is matched in a longest common subsequence so far.
     std::vector<uint64_t> v(words, ~uint64_t{0}), u(words);
     for (const llama_token c : b) {
-        const auto lo = std::lower_bound(at.begin(), at.end(), std::make_pair(c, uint32_t{0}));
-        if (lo == at.end() || lo->first != c) continue;  // no bits: v stays as it is
-        const auto f = std::lower_bound(built.begin(), built.end(), std::make_pair(c, size_t{0}));
-        const uint64_t* bits = u.data();
-        if (f != built.end() && f->first == c) {
-            bits = masks.data() + f->second;
-        } else {
+        const auto run = std::lower_bound(runs.begin(), runs.end(), c,
+                                          [](const Run& r, llama_token t) { return r.token < t; });
+        if (run == runs.end() || run->token != c) continue;  // no bits: v stays as it is
+        const uint64_t* bits = run->mask >= 0 ? masks.data() + run->mask : u.data();
+        if (run->mask < 0) {
             std::fill(u.begin(), u.end(), 0);
-            set_bits(lo, std::find_if(lo, at.end(), [&](const auto& p) { return p.first != c; }),
-                     u.data());
+            set_bits(run->begin, run->end, u.data());
         }
-        // v = (v + (v & bits)) | (v - (v & bits)), carries and borrows across words.
-        uint64_t carry = 0, borrow = 0;
+        // v = (v + (v & bits)) | (v - (v & bits)), carries across words; v & bits is a subset
+        // of v, so the subtraction never borrows: it is v without those bits.
+        uint64_t carry = 0;
         for (size_t w = 0; w < words; ++w) {
             const uint64_t x = v[w], y = x & bits[w];
             const uint64_t sum = x + y, total = sum + carry;
             carry = static_cast<uint64_t>(sum < x) | static_cast<uint64_t>(total < sum);
-            const uint64_t diff = x - y, rest = diff - borrow;  // y's bits are x's: no underflow
-            borrow = static_cast<uint64_t>(diff < borrow);
-            v[w] = total | rest;
+            v[w] = total | (x & ~y);
         }
     }
     size_t unmatched = 0;
