@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import h11
 from fastapi import FastAPI, Request
@@ -1394,8 +1394,9 @@ class TextOffsets:
 
 
 def _body_too_large() -> RequestError:
-    # The rest of the body is never read: the connection closes after the answer, rather than
-    # leave its client blocked sending until the keep-alive timeout.
+    # The rest of the body is not kept: the connection closes after the answer, reading and
+    # dropping what its client still sends for a while (_LingeringTransport), rather than leave
+    # it blocked sending until the keep-alive timeout.
     why = f"the request body is over {MAX_BODY_BYTES} bytes"
     return RequestError(413, why, headers={"Connection": "close"})
 
@@ -1434,16 +1435,55 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+# How long a connection closed while its client still sends a request reads what comes.
+LINGER_SECONDS = 5.0
+
+
+class _LingeringTransport:
+    """A connection's transport, except that closing it while its client is still sending a
+    request (a refused oversized body, say) first sends what is written and the end of it, and
+    reads and drops what comes for LINGER_SECONDS or until the client closes: a socket closed
+    with unread data is reset, and the reset can reach the client before the answer does."""
+
+    def __init__(self, inner: asyncio.Transport, protocol: BoundedHttp) -> None:
+        self.inner, self.protocol, self.lingering = inner, protocol, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self.inner.is_closing()
+
+    def close(self) -> None:
+        if self.lingering or not self.protocol.client_is_sending() or self.inner.is_closing():
+            self.inner.close()
+            return
+        self.lingering = True
+        self.inner.write_eof()
+        self.inner.resume_reading()
+        self.protocol.loop.call_later(LINGER_SECONDS, self.inner.close)
+
+
 class BoundedHttp(H11Protocol):
-    """uvicorn's HTTP/1.1 connection, with two changes. A connection must finish a request's
+    """uvicorn's HTTP/1.1 connection, with three changes. A connection must finish a request's
     head within uvicorn's keep-alive time, as it must between requests (uvicorn bounds only
     the latter): clients that open connections and never finish a request would otherwise hold
-    them, and their file descriptors, for ever. And a request that is not valid HTTP gets an
-    OpenAI-shaped 400, as every other bad request does."""
+    them, and their file descriptors, for ever. A request that is not valid HTTP gets an
+    OpenAI-shaped 400, as every other bad request does. And a connection closed while its
+    client still sends lingers (_LingeringTransport), so that the client reads its answer."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.lingering = _LingeringTransport(transport, self)
+        self.transport = cast(asyncio.Transport, self.lingering)
         self._await_a_request_after(None)
+
+    def client_is_sending(self) -> bool:
+        return self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering.lingering:  # what comes after the answer is dropped
+            super().data_received(data)
 
     def on_response_complete(self) -> None:
         done = self.cycle

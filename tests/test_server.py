@@ -345,9 +345,30 @@ def test_bad_requests_get_openai_shaped_errors(
 
 
 def test_an_oversized_body_is_refused(chat_server: Server) -> None:
-    r = httpx.post(chat_server.url + "/v1/completions", content=b"x" * (5 << 20), timeout=60)
+    chunked = (b"x" * (1 << 20) for _ in range(5))  # no length: found over as it is read
+    r = httpx.post(chat_server.url + "/v1/completions", content=chunked, timeout=60)
     assert r.status_code == 413 and "over" in r.json()["error"]["message"]
     assert httpx.get(chat_server.url + "/health").status_code == 200
+
+
+def test_the_refusal_of_an_oversized_body_reaches_a_client_still_sending(
+    chat_server: Server,
+) -> None:
+    # A client that sends its whole body before reading (as most do) must get the 413, not a
+    # reset: the server reads the rest before it answers and closes.
+    host, port = chat_server.url.removeprefix("http://").split(":")
+    size = 5 << 20
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {size}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + b"x" * (1 << 20))
+        time.sleep(0.5)  # long enough for an answer sent at once to close the connection
+        sock.sendall(b"x" * (size - (1 << 20)))
+        answer = b""
+        while chunk := sock.recv(1 << 16):
+            answer += chunk
+    head_bytes, _, body = answer.partition(b"\r\n\r\n")
+    assert head_bytes.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert "over" in json.loads(body)["error"]["message"]
 
 
 def test_metrics_count_what_requests_did(chat_server: Server, client: openai.OpenAI) -> None:
