@@ -1446,7 +1446,9 @@ class _LingeringTransport:
     with unread data is reset, and the reset can reach the client before the answer does."""
 
     def __init__(self, inner: asyncio.Transport, protocol: BoundedHttp) -> None:
-        self.inner, self.protocol, self.lingering = inner, protocol, False
+        self.inner, self.protocol = inner, protocol
+        self.lingering = False
+        self.deadline: asyncio.TimerHandle | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -1455,13 +1457,26 @@ class _LingeringTransport:
         return self.lingering or self.inner.is_closing()
 
     def close(self) -> None:
-        if self.lingering or not self.protocol.client_is_sending() or self.inner.is_closing():
-            self.inner.close()
+        if self.lingering or self.inner.is_closing() or not self.protocol.may_linger():
+            self.end()
+            return
+        try:
+            self.inner.write_eof()
+        except OSError:  # the client reset the connection already
+            self.end()
             return
         self.lingering = True
-        self.inner.write_eof()
         self.inner.resume_reading()
-        self.protocol.loop.call_later(LINGER_SECONDS, self.inner.close)
+        self.deadline = self.protocol.loop.call_later(LINGER_SECONDS, self.end, True)
+
+    def end(self, at_deadline: bool = False) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        if at_deadline and self.inner.get_write_buffer_size():
+            self.inner.abort()  # its client reads nothing: the answer would never drain
+        else:
+            self.inner.close()
 
 
 class BoundedHttp(H11Protocol):
@@ -1474,16 +1489,33 @@ class BoundedHttp(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.lingering = _LingeringTransport(transport, self)
-        self.transport = cast(asyncio.Transport, self.lingering)
+        self._linger = _LingeringTransport(transport, self)
+        self._close_at_once = False
+        self.transport = cast(asyncio.Transport, self._linger)
         self._await_a_request_after(None)
 
-    def client_is_sending(self) -> bool:
-        return self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
+    def may_linger(self) -> bool:
+        return not self._close_at_once and self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
 
     def data_received(self, data: bytes) -> None:
-        if not self.lingering.lingering:  # what comes after the answer is dropped
+        if not self._linger.lingering:  # what comes after the answer is dropped
             super().data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._linger.end()
+        super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        # The server's shutdown waits for every connection: none lingers from here on.
+        self._close_at_once = True
+        if self._linger.lingering:
+            self._linger.end()
+        else:
+            super().shutdown()
+
+    def timeout_keep_alive_handler(self) -> None:
+        self._close_at_once = True  # its client has had the keep-alive time to read
+        super().timeout_keep_alive_handler()
 
     def on_response_complete(self) -> None:
         done = self.cycle

@@ -282,7 +282,10 @@ def test_a_stored_cost_curve_the_steps_contradict_is_measured_again(
     deep_pair: models.ModelPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=512) as dec:
+    # One thread, not as many as the machine leaves free: costs that follow the load from one
+    # decoder to the next would contradict each other.
+    pair = (deep_pair.target, deep_pair.draft)
+    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1) as dec:
         dec.calibrate()
         clean = dec.policy_state()["verify_costs"]
     (path,) = (tmp_path / "calibration").glob("*.json")
@@ -291,14 +294,14 @@ def test_a_stored_cost_curve_the_steps_contradict_is_measured_again(
     record["verify_costs"] = [3 * t for t in record["verify_costs"]]
     record["draft_costs"] = [3 * t for t in record["draft_costs"]]
     path.write_text(json.dumps(record))
-    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=512) as dec:
+    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1) as dec:
         healed = dec.generate(PROMPTS[0], 48)
         state = dec.policy_state()
         assert healed.stats.recalibrated and state["calibration"] == "measured"
         assert state["verify_costs"][0] < 2 * clean[0]
         assert len(healed.tokens) == 48
     # What was stored is the new measurement: the next run trusts it.
-    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, n_ctx=512) as dec:
+    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1) as dec:
         again = dec.generate(PROMPTS[0], 48)
         assert not again.stats.recalibrated and dec.policy_state()["calibration"] == "cache"
 

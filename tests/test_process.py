@@ -325,6 +325,29 @@ def test_ctrl_c_while_waiting_for_the_decoder_stops_only_the_waiting_call(
     assert "other length 3000" in rest, rest  # the running generation was not the one stopped
 
 
+class OthersLoad:
+    """How many cores other processes kept busy since the last look: /proc/stat's busy time
+    less this process's own."""
+
+    def __init__(self) -> None:
+        self.last = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[int, int, float]:
+        with open("/proc/stat") as f:  # "cpu user nice system idle iowait irq softirq steal"
+            v = [int(x) for x in f.readline().split()[1:9]]
+        busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+        own = os.times()
+        return busy, busy + v[3] + v[4], (own.user + own.system) * os.sysconf("SC_CLK_TCK")
+
+    def cores(self) -> float:
+        now, last = self._sample(), self.last
+        self.last = now
+        total = now[1] - last[1]
+        others = now[0] - last[0] - (now[2] - last[2])
+        return max(0.0, others * (os.cpu_count() or 1) / total) if total > 0 else 0.0
+
+
 def generate_for(dec: sd.SpeculativeDecoder, seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -348,11 +371,15 @@ def test_threads_follow_the_load_unless_given(tiny_pair: models.ModelPair) -> No
         for hog in hogs:
             hog.kill()
             hog.wait()
-    # Back up after two looks that find the cores free again (on a machine otherwise idle).
-    end = time.monotonic() + 10
+    # Back up after two looks that find the cores free again: once the machine was quiet for
+    # more than that (other processes on a shared machine may keep a core).
+    others, quiet, longest = OthersLoad(), 0, 0
+    end = time.monotonic() + 20
     while governed.n_threads_now < cores and time.monotonic() < end:
         generate_for(governed, 0.5)
-    assert governed.n_threads_now == cores
+        quiet = quiet + 1 if others.cores() < 0.3 else 0
+        longest = max(longest, quiet)
+    assert governed.n_threads_now == cores or longest < 4, f"{longest} quiet looks in a row"
     governed.close()
     fixed.close()
 

@@ -342,6 +342,28 @@ def test_sigterm_again_while_exiting_still_exits_0(tiny_pair: models.ModelPair) 
     assert s.proc.wait(timeout=30) == 0
 
 
+def test_connections_whose_clients_still_send_do_not_hold_up_the_exit(
+    tiny_pair: models.ModelPair,
+) -> None:
+    # A refused body's connection lingers (reading what its client still sends) so that the
+    # client reads its answer; a shutdown ends that at once.
+    s = start(tiny_pair.target, "-t", "1", "-c", "256")
+    port = int(s.url.rsplit(":", 1)[1])
+    opened = []
+    for path, size in (("/nope", 1 << 20), ("/v1/completions", 64 << 20)):  # a 404, a 413
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n".encode())
+        sock.sendall(b"x" * 1000)
+        assert read_response(sock).split(b" ")[1] in (b"404", b"413")
+        opened.append(sock)
+    signalled = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=30) == 0
+    assert time.monotonic() - signalled < 3.0  # not the 5 s a connection may linger
+    for sock in opened:
+        sock.close()
+
+
 def test_a_soak_of_hostile_traffic_loses_nothing_and_leaks_nothing(
     tiny_pair: models.ModelPair,
 ) -> None:
