@@ -355,7 +355,7 @@ def test_the_refusal_of_an_oversized_body_reaches_a_client_still_sending(
     chat_server: Server,
 ) -> None:
     # A client that sends its whole body before reading (as most do) must get the 413, not a
-    # reset: the server reads the rest before it answers and closes.
+    # reset: the server answers, then reads and drops the rest before it closes.
     host, port = chat_server.url.removeprefix("http://").split(":")
     size = 5 << 20
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {size}\r\n\r\n"
