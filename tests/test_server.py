@@ -531,7 +531,8 @@ def test_bounded_load_either_completes_or_is_refused(tiny_pair: models.ModelPair
             list(pool.map(one, range(16)))  # warm: allocator pools, metric label sets
         # Two stretches: a leak grows both, a one-off step of the allocator (a new arena kept)
         # only one.
-        rss, results = [server.rss_mib()], []
+        rss = [server.rss_mib()]
+        results: list[tuple[int, int]] = []
         for _ in range(2):
             with ThreadPoolExecutor(8) as pool:
                 results += pool.map(one, range(150))
