@@ -81,6 +81,20 @@ def assert_stats_add_up(stats: sd.Stats, n_tokens: int) -> None:
     assert stats.t_total >= stats.t_prompt + stats.t_draft
 
 
+def set_costs_where_drafting_pays(
+    dec: sd.SpeculativeDecoder, per_row: float = 0.15, draft_share: float = 0.1
+) -> None:
+    """Costs of a shape where drafting pays, at this machine's scale: the target's one-token
+    decode as measured here, each further row `per_row` of it more, a draft decode `draft_share`
+    of it. A test of `auto` then asserts what follows from its rules, not from how this
+    machine's costs happened to measure (nor from how busy it was); the scale stays measured so
+    that the steps' own timings agree with it and do not call for a recalibration."""
+    dec.calibrate()
+    one = dec.policy_state()["verify_costs"][0]
+    verify = [one * (1.0 + per_row * n) for n in range(11)]
+    dec._live().set_calibration(verify, [draft_share * one, 1.5 * draft_share * one])
+
+
 def rewrite_gguf(
     src: Path,
     dst: Path,

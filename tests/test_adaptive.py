@@ -13,29 +13,37 @@ from typing import Any
 
 import pytest
 from conftest import NEAR_TIE_GAP, PROMPTS
-from helpers import assert_same_or_near_tie, assert_stats_add_up
+from helpers import assert_same_or_near_tie, assert_stats_add_up, set_costs_where_drafting_pays
 
 import specdec_native as sd
 from specdec_native import calibration, models
 from specdec_native._core import testing
 
+PRIOR_ACCEPTANCE = 0.7  # the policy's estimate at every position before it has evidence
 
-def test_auto_is_lossless_and_reports_its_choices(deep_decoder: sd.SpeculativeDecoder) -> None:
-    for prompt in PROMPTS[:3]:
-        base = deep_decoder.generate(prompt, 40, n_draft=0)
-        auto = deep_decoder.generate(prompt, 40, n_draft="auto")
-        assert_same_or_near_tie(auto, base, NEAR_TIE_GAP)
-        assert_stats_add_up(auto.stats, len(auto.tokens))
-        s = auto.stats
-        assert sum(s.steps_at_k) == s.n_target_passes
-        assert sum(k * n for k, n in enumerate(s.steps_at_k)) == s.n_drafted
-    state = deep_decoder.policy_state()
-    assert state["calibrated"]
+
+def test_auto_is_lossless_and_reports_its_choices(deep_pair: models.ModelPair) -> None:
+    with sd.SpeculativeDecoder(
+        deep_pair.target, deep_pair.draft, n_ctx=1024, calibration_cache=False
+    ) as dec:
+        set_costs_where_drafting_pays(dec)
+        drafted = 0
+        for prompt in PROMPTS[:3]:
+            base = dec.generate(prompt, 40, n_draft=0)
+            auto = dec.generate(prompt, 40, n_draft="auto")
+            assert_same_or_near_tie(auto, base, NEAR_TIE_GAP)
+            assert_stats_add_up(auto.stats, len(auto.tokens))
+            s = auto.stats
+            assert sum(s.steps_at_k) == s.n_target_passes
+            assert sum(k * n for k, n in enumerate(s.steps_at_k)) == s.n_drafted
+            drafted += s.n_drafted
+        state = dec.policy_state()
+    assert drafted > 0
     assert len(state["expected_rate"]) == 11
-    # What it learnt of the deep pair's draft: often right, never always. (Whether a K > 0 is
-    # expected to beat target-only depends on this machine's measured costs: benchmarks' matter.)
-    assert all(0.05 < a < 1.0 for a in state["acceptance"][:2]), state["acceptance"]
     assert all(math.isfinite(r) and r > 0 for r in state["expected_rate"])
+    # What it learnt of the deep pair's draft: often right, never always, and not the prior.
+    assert all(0.05 < a < 1.0 for a in state["acceptance"][:2]), state["acceptance"]
+    assert state["acceptance"][0] != PRIOR_ACCEPTANCE
 
 
 def test_short_request_skips_speculation(deep_decoder: sd.SpeculativeDecoder) -> None:
@@ -104,7 +112,7 @@ def test_sampling_with_auto_and_p_min(tiny_pair: models.ModelPair) -> None:
         assert dec.generate("the cat", 30, n_draft=8).stats.n_p_min_stops == 0
 
 
-# Costs where drafting loses at the policy's prior (each position accepted with chance 0.7) and
+# Costs where drafting loses at the policy's prior (PRIOR_ACCEPTANCE at each position) and
 # pays only where the draft is nearly always right: a target decode costs 0.75 ms more per token
 # in the batch, a draft decode 0.05 ms.
 STEEP_VERIFY = [0.001 + 0.00075 * n for n in range(11)]

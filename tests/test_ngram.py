@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 from conftest import BATCHED_NEAR_TIE_GAP, NEAR_TIE_GAP
-from helpers import assert_same_or_near_tie, assert_stats_add_up, engine_request
+from helpers import (
+    assert_same_or_near_tie,
+    assert_stats_add_up,
+    engine_request,
+    set_costs_where_drafting_pays,
+)
 from test_distribution import assert_copies_keep_the_distribution, homogeneity_pvalue
 
 import specdec_native as sd
@@ -88,9 +93,13 @@ def test_auto_copies_spans_longer_than_a_model_draft(gemma3: Path) -> None:
 
 
 def test_auto_chooses_between_ngram_and_model(deep_pair: models.ModelPair) -> None:
-    # Each step drafts from whichever source promises more: a repeating text makes both pay.
-    with sd.SpeculativeDecoder(deep_pair.target, deep_pair.draft, ngram=True, n_ctx=1024) as dec:
+    # Each step drafts from whichever source promises more: a repeating text makes both pay
+    # (at costs where a model's draft pays too).
+    with sd.SpeculativeDecoder(
+        deep_pair.target, deep_pair.draft, ngram=True, n_ctx=1024, calibration_cache=False
+    ) as dec:
         base = dec.generate(CODE_EDIT, 60, n_draft=0)
+        set_costs_where_drafting_pays(dec)
         spec = dec.generate(CODE_EDIT, 60, n_draft="auto")
     assert_same_or_near_tie(spec, base, NEAR_TIE_GAP)
     assert_stats_add_up(spec.stats, len(spec.tokens))
@@ -126,8 +135,11 @@ PLAN = "Write a Python function that returns the sum of a list of numbers.\n"
 def test_earlier_outputs_are_copied_exactly(deep_pair: models.ModelPair) -> None:
     """A request that writes what an earlier one wrote copies it from the shared index (its own
     text holds none of it), under a fixed K and under auto, and decodes the target's tokens."""
-    with sd.SpeculativeDecoder(deep_pair.target, "ngram", n_ctx=1024, ngram_index_mb=4) as dec:
+    with sd.SpeculativeDecoder(
+        deep_pair.target, "ngram", n_ctx=1024, ngram_index_mb=4, calibration_cache=False
+    ) as dec:
         base = dec.generate(PLAN, 40, n_draft=0)
+        set_costs_where_drafting_pays(dec, draft_share=0.0)
         for k in (4, "auto"):
             out = dec.generate(PLAN, 40, n_draft=k)
             assert_same_or_near_tie(out, base, NEAR_TIE_GAP)

@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 from conftest import NEAR_TIE_GAP
-from helpers import assert_same_or_near_tie, assert_stats_add_up, engine_request
+from helpers import (
+    assert_same_or_near_tie,
+    assert_stats_add_up,
+    engine_request,
+    set_costs_where_drafting_pays,
+)
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_distribution import assert_copies_keep_the_distribution
@@ -92,10 +97,12 @@ def test_the_prediction_tokens_in_an_output_are_their_common_subsequence(
     assert testing.common_subsequence(a, b) == _common_subsequence_by_table(a, b)
 
 
-def test_the_output_predicted_is_drafted_whole(alone: sd.SpeculativeDecoder) -> None:
-    base = alone.generate(PLAN, 48, n_draft=0)
-    for k in (4, "auto"):
-        out = alone.generate(PLAN, 48, n_draft=k, prediction=base.tokens)
+def test_the_output_predicted_is_drafted_whole(deep_pair: models.ModelPair) -> None:
+    with sd.SpeculativeDecoder(deep_pair.target, None, n_ctx=1024, calibration_cache=False) as dec:
+        base = dec.generate(PLAN, 48, n_draft=0)
+        set_costs_where_drafting_pays(dec, draft_share=0.0)
+        outs = [dec.generate(PLAN, 48, n_draft=k, prediction=base.tokens) for k in (4, "auto")]
+    for out in outs:
         assert_same_or_near_tie(out, base, NEAR_TIE_GAP)
         assert_stats_add_up(out.stats, len(out.tokens))
         assert_sources_add_up(out.stats)
