@@ -43,6 +43,11 @@ constexpr int kHealContext = 512;
 
 // Probing backs off only while the best K is expected to be this much slower than target-only.
 constexpr double kClearlyWorse = 0.1;
+// After n requests in a row whose drafting lost time, the next 2^(n-1) - 1 open without a probe
+// (n at most this): a request's opening probe makes the draft read its whole prompt. One losing
+// request alone does not start it: where a draft pays, a request now and then still loses (on
+// zoo seed 12's x8 pair at T = 0, skipping after each cost 10 %).
+constexpr int kMaxOpeningBackOff = 4;
 
 // Expected tokens of a K-token draft whose positions are each accepted with probability
 // accept(i) given the ones before: one target token always, plus position j when 1..j pass.
@@ -107,14 +112,36 @@ void AdaptivePolicy::begin_generation() {
     // What the last request taught keeps its direction but counts as little as evidence can:
     // this text's own first steps decide.
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);
-    // If this text starts in fallback, probe it now, and then not again soon: that fallback
-    // comes from a whole request's evidence, not from a few unlucky steps. A wait that has grown
-    // longer than that (probes failing request after request) is kept: each probe after a long
-    // fallback makes the draft catch up on every token it skipped, about 4 % of a target step
-    // per token on this CPU, whether the probe pays or not.
+    // If this text starts in fallback, probe it now (unless drafting kept losing time in the
+    // last requests: settle_request), and then not again soon: that fallback comes from a whole
+    // request's evidence, not from a few unlucky steps. A wait that has grown longer than that
+    // (probes failing request after request) is kept: each probe after a long fallback makes
+    // the draft catch up on every token it skipped, whether the probe pays or not.
     probe_interval_ = std::max(probe_interval_, config_.close_call_probe_interval);
-    steps_since_probe_ = probe_interval_ - 1;
+    settle_request();
+    const bool open_with_probe = openings_to_skip_ == 0;
+    if (!open_with_probe) --openings_to_skip_;
+    steps_since_probe_ = open_with_probe ? probe_interval_ - 1 : 0;
     phase_ = Phase::kSteady;
+}
+
+void AdaptivePolicy::settle_request() {
+    // An opening probe costs its draft a read of the whole prompt, and on a short request that
+    // read alone can outweigh what a probe would find. Requests whose drafting lost time, one
+    // after another, say the probes find nothing on this kind of text: the next ones open
+    // without (their own later probes still come, at the kept interval). Any request whose
+    // drafting saved time resets the back-off.
+    if (request_drafted_) {
+        if (request_gain_ < 0.0) {
+            losing_requests_ = std::min(losing_requests_ + 1, kMaxOpeningBackOff);
+            openings_to_skip_ = (1 << (losing_requests_ - 1)) - 1;
+        } else {
+            losing_requests_ = 0;
+            openings_to_skip_ = 0;
+        }
+    }
+    request_gain_ = 0.0;
+    request_drafted_ = false;
 }
 
 void AdaptivePolicy::calibrate(std::vector<double> verify_costs, std::vector<double> draft_costs,
@@ -345,6 +372,10 @@ void AdaptivePolicy::observe(const StepOutcome& step) {
     if (!calibrated()) return;
     decide_on_probe(step);
     if (step.shared) return;
+    if (k > 0) {
+        request_drafted_ = true;
+        request_gain_ += (n_accepted + 1) * verify_cost_[0] - (step.t_draft + step.t_verify);
+    }
     if (step.caught_up == 1 || step.caught_up == 2)
         track_cost(draft_cost_[static_cast<size_t>(step.caught_up - 1)], step.t_catch_up);
     // After catching up, each draft token but the last is decoded on its own.

@@ -116,7 +116,8 @@ class AdaptivePolicy {
     CostVerdict cost_verdict() const;
     bool calibrated() const { return !verify_cost_.empty(); }
 
-    // A new request is new text: whatever the last one taught, look at this one soon.
+    // A new request is new text: whatever the last one taught, look at this one soon (unless
+    // drafting lost time in the last requests: see settle_request).
     void begin_generation();
     // K for the next step, at most `cap`; 0 means target only. `why` explains a fallback.
     int choose(int cap, std::string* why);
@@ -205,6 +206,18 @@ class AdaptivePolicy {
     // A probe has paid since the last run of probes that found nothing; kept while drafting
     // and across requests: a text with easier stretches is looked at again soon.
     bool probes_paid_ = false;
+
+    // Seconds this request's drafting steps saved against the target alone (the tokens they
+    // committed at target-only's step cost, less what they took, the draft's catch-up
+    // included); negative where drafting lost time. Steps shared with other sequences are left
+    // out: their times are the batch's.
+    double request_gain_ = 0.0;
+    bool request_drafted_ = false;
+    // Requests in a row whose drafting lost time, and how many more are to open without a probe.
+    int losing_requests_ = 0;
+    int openings_to_skip_ = 0;
+    // At a request's start: the last request's account decides how the next ones open.
+    void settle_request();
 };
 
 }  // namespace specdec

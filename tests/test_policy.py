@@ -215,9 +215,9 @@ def test_a_sampled_probe_prefix_is_judged_by_its_chance_too(learn_from_chance: b
 
 def test_a_long_wait_between_probes_carries_over_to_the_next_request() -> None:
     # Probes have failed for long enough that the wait between them has grown past 16 steps.
-    # A new request is probed at once (its text may be easier); when that probe fails too,
-    # the next waits as long as before, not 16 steps: each probe after a long fallback costs a
-    # catch-up of every skipped token.
+    # A new request is probed at once (its text may be easier, and one losing request does not
+    # start the back-off below); when that probe fails too, the next waits as long as before,
+    # not 16 steps: each probe after a long fallback costs a catch-up of every skipped token.
     p = policy()
     ks = run(p, 200, accepted_run=0)
     assert max(_waits(ks)) >= 32
@@ -226,6 +226,29 @@ def test_a_long_wait_between_probes_carries_over_to_the_next_request() -> None:
     assert ks[0] > 0
     next_probe = next((i for i in range(1, len(ks)) if ks[i] > 0), len(ks))
     assert next_probe - 1 >= 32
+
+
+def _opens_with_a_probe(p: testing.AdaptivePolicy, accepted_run: int) -> bool:
+    """Begins a request of 48 steps on a text whose drafts are accepted up to `accepted_run`;
+    whether its first step drafted."""
+    p.begin_generation()
+    return run(p, 48, accepted_run=accepted_run)[0] > 0
+
+
+def test_requests_open_without_a_probe_while_drafting_keeps_losing_time() -> None:
+    # Short requests on text the draft never gets right: after n requests in a row whose
+    # drafting lost time, the next 2^(n-1) - 1 (n at most 4) open without a probe, and a
+    # request whose drafting saved time ends the back-off.
+    p = policy()
+    run(p, 48, accepted_run=0)  # falls back, probes now and then: time lost
+    opened = [_opens_with_a_probe(p, accepted_run=0) for _ in range(24)]
+    assert opened == [True, False, True] + [False] * 3 + ([True] + [False] * 7) * 2 + [True, False]
+    # A text the draft gets right, in the requests that come (one of them probes it): drafting
+    # saves time and the back-off ends, so the hard text after it opens as at first.
+    while not _opens_with_a_probe(p, accepted_run=10):
+        pass
+    opened = [_opens_with_a_probe(p, accepted_run=0) for _ in range(8)]
+    assert opened == [True, True, False, True] + [False] * 3 + [True]
 
 
 def test_settles_on_the_k_the_text_supports() -> None:
