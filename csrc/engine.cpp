@@ -624,9 +624,12 @@ void Engine::retire(int seq, std::exception_ptr error) {
         }
     } else if (g->adaptive()) {
         // What it learnt (acceptance, costs) is where the next request starts from.
+        AdaptivePolicy learnt = g->policy();
+        // Cut short (cancelled, timed out), its drafting had no time to pay for its prompt read.
+        if (!g->ended_normally()) learnt.forget_request_account();
         {
             std::lock_guard<std::mutex> lock(policy_mutex_);
-            policy_ = g->policy();
+            policy_ = std::move(learnt);
         }
         if (recalibration_due(*g)) recalibrate_after(*g);
     }

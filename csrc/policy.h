@@ -128,6 +128,12 @@ class AdaptivePolicy {
     // copy): its verify cost, and whether the calibration looks wrong. No acceptance.
     void observe_verify_cost(const StepOutcome& step);
 
+    // Leaves this request out of the back-off of opening probes (settle_request).
+    void forget_request_account() {
+        request_gain_ = 0.0;
+        request_drafted_ = false;
+    }
+
     // Whether any K could beat target-only even if every draft token were accepted. When not
     // (a draft nearly as slow as the target), the policy stops drafting for good: keeping the
     // draft's cache in step for occasional probes would itself cost more than it could gain.

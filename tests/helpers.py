@@ -86,9 +86,11 @@ def set_costs_where_drafting_pays(
 ) -> None:
     """Costs of a shape where drafting pays, at this machine's scale: the target's one-token
     decode as measured here, each further row `per_row` of it more, a draft decode `draft_share`
-    of it. A test of `auto` then asserts what follows from its rules, not from how this
-    machine's costs happened to measure (nor from how busy it was); the scale stays measured so
-    that the steps' own timings agree with it and do not call for a recalibration."""
+    of it (0 for copies: no draft model). A test of `auto` then asserts what follows from its
+    rules, not from how this machine's costs happened to measure (nor how busy it was). The
+    steps' timings still move the costs (a few % per step), and a request whose steps disagree
+    with them by the heal factor has them measured again after it: the scale stays measured so
+    that the usual steps agree. One slot only (several need batch costs too)."""
     dec.calibrate()
     one = dec.policy_state()["verify_costs"][0]
     verify = [one * (1.0 + per_row * n) for n in range(11)]
