@@ -97,6 +97,7 @@ void bind_testing(py::module_ m) {
             },
             py::arg("verify_costs"), py::arg("draft_costs"))
         .def("begin_generation", &AdaptivePolicy::begin_generation)
+        .def("end_generation", &AdaptivePolicy::end_generation, py::arg("counts") = true)
         .def(
             "choose",
             [](AdaptivePolicy& p, int cap) {

@@ -625,8 +625,7 @@ void Engine::retire(int seq, std::exception_ptr error) {
     } else if (g->adaptive()) {
         // What it learnt (acceptance, costs) is where the next request starts from.
         AdaptivePolicy learnt = g->policy();
-        // Cut short (cancelled, timed out), its drafting had no time to pay for its prompt read.
-        if (!g->ended_normally()) learnt.forget_request_account();
+        learnt.end_generation(g->ended_normally());
         {
             std::lock_guard<std::mutex> lock(policy_mutex_);
             policy_ = std::move(learnt);

@@ -45,8 +45,8 @@ constexpr int kHealContext = 512;
 constexpr double kClearlyWorse = 0.1;
 // After n requests in a row whose drafting lost time, the next 2^(n-1) - 1 open without a probe
 // (n at most this): a request's opening probe makes the draft read its whole prompt. One losing
-// request alone does not start it: where a draft pays, a request now and then still loses (on
-// zoo seed 12's x8 pair at T = 0, skipping after each cost 10 %).
+// request alone does not start it: where a draft pays, a request now and then still loses
+// (docs/adaptive.md).
 constexpr int kMaxOpeningBackOff = 4;
 
 // Expected tokens of a K-token draft whose positions are each accepted with probability
@@ -113,25 +113,24 @@ void AdaptivePolicy::begin_generation() {
     // this text's own first steps decide.
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);
     // If this text starts in fallback, probe it now (unless drafting kept losing time in the
-    // last requests: settle_request), and then not again soon: that fallback comes from a whole
+    // last requests: end_generation), and then not again soon: that fallback comes from a whole
     // request's evidence, not from a few unlucky steps. A wait that has grown longer than that
     // (probes failing request after request) is kept: each probe after a long fallback makes
     // the draft catch up on every token it skipped, whether the probe pays or not.
     probe_interval_ = std::max(probe_interval_, config_.close_call_probe_interval);
-    settle_request();
     const bool open_with_probe = openings_to_skip_ == 0;
     if (!open_with_probe) --openings_to_skip_;
     steps_since_probe_ = open_with_probe ? probe_interval_ - 1 : 0;
     phase_ = Phase::kSteady;
 }
 
-void AdaptivePolicy::settle_request() {
+void AdaptivePolicy::end_generation(bool counts) {
     // An opening probe costs its draft a read of the whole prompt, and on a short request that
     // read alone can outweigh what a probe would find. Requests whose drafting lost time, one
     // after another, say the probes find nothing on this kind of text: the next ones open
     // without (their own later probes still come, at the kept interval). Any request whose
     // drafting saved time resets the back-off.
-    if (request_drafted_) {
+    if (counts && request_drafted_) {
         if (request_gain_ < 0.0) {
             losing_requests_ = std::min(losing_requests_ + 1, kMaxOpeningBackOff);
             openings_to_skip_ = (1 << (losing_requests_ - 1)) - 1;

@@ -117,8 +117,11 @@ class AdaptivePolicy {
     bool calibrated() const { return !verify_cost_.empty(); }
 
     // A new request is new text: whatever the last one taught, look at this one soon (unless
-    // drafting lost time in the last requests: see settle_request).
+    // drafting lost time in the last requests: see end_generation).
     void begin_generation();
+    // A request ended: its drafting's account decides how the next ones open. `counts`: it
+    // ended normally (one cut short had no time to pay for its draft's prompt read).
+    void end_generation(bool counts);
     // K for the next step, at most `cap`; 0 means target only. `why` explains a fallback.
     int choose(int cap, std::string* why);
     // Learns from what a step did. A catch-up of more than two tokens (after steps without
@@ -127,12 +130,6 @@ class AdaptivePolicy {
     // Learns the target's cost from a step whose draft this policy did not choose (an n-gram
     // copy): its verify cost, and whether the calibration looks wrong. No acceptance.
     void observe_verify_cost(const StepOutcome& step);
-
-    // Leaves this request out of the back-off of opening probes (settle_request).
-    void forget_request_account() {
-        request_gain_ = 0.0;
-        request_drafted_ = false;
-    }
 
     // Whether any K could beat target-only even if every draft token were accepted. When not
     // (a draft nearly as slow as the target), the policy stops drafting for good: keeping the
@@ -222,8 +219,6 @@ class AdaptivePolicy {
     // Requests in a row whose drafting lost time, and how many more are to open without a probe.
     int losing_requests_ = 0;
     int openings_to_skip_ = 0;
-    // At a request's start: the last request's account decides how the next ones open.
-    void settle_request();
 };
 
 }  // namespace specdec

@@ -221,6 +221,7 @@ def test_a_long_wait_between_probes_carries_over_to_the_next_request() -> None:
     p = policy()
     ks = run(p, 200, accepted_run=0)
     assert max(_waits(ks)) >= 32
+    p.end_generation()
     p.begin_generation()
     ks = run(p, 100, accepted_run=0)
     assert ks[0] > 0
@@ -229,10 +230,12 @@ def test_a_long_wait_between_probes_carries_over_to_the_next_request() -> None:
 
 
 def _opens_with_a_probe(p: testing.AdaptivePolicy, accepted_run: int) -> bool:
-    """Begins a request of 48 steps on a text whose drafts are accepted up to `accepted_run`;
-    whether its first step drafted."""
+    """A request of 48 steps on a text whose drafts are accepted up to `accepted_run`, begun and
+    ended; whether its first step drafted."""
     p.begin_generation()
-    return run(p, 48, accepted_run=accepted_run)[0] > 0
+    opened = run(p, 48, accepted_run=accepted_run)[0] > 0
+    p.end_generation()
+    return opened
 
 
 def test_requests_open_without_a_probe_while_drafting_keeps_losing_time() -> None:
@@ -241,6 +244,7 @@ def test_requests_open_without_a_probe_while_drafting_keeps_losing_time() -> Non
     # request whose drafting saved time ends the back-off.
     p = policy()
     run(p, 48, accepted_run=0)  # falls back, probes now and then: time lost
+    p.end_generation()
     opened = [_opens_with_a_probe(p, accepted_run=0) for _ in range(24)]
     assert opened == [True, False, True] + [False] * 3 + ([True] + [False] * 7) * 2 + [True, False]
     # A text the draft gets right, in the requests that come (one of them probes it): drafting
@@ -249,6 +253,21 @@ def test_requests_open_without_a_probe_while_drafting_keeps_losing_time() -> Non
         pass
     opened = [_opens_with_a_probe(p, accepted_run=0) for _ in range(8)]
     assert opened == [True, True, False, True] + [False] * 3 + [True]
+
+
+@pytest.mark.parametrize("counts", [True, False])
+def test_a_request_cut_short_leaves_the_back_off_alone(counts: bool) -> None:
+    # Cancelled or timed out, a request had no time to pay for its draft's read of the prompt:
+    # its loss says nothing of the text (counted, two losing requests make the third open
+    # without a probe).
+    p = policy()
+    opened = []
+    for _ in range(3):
+        opened.append(run(p, 48, accepted_run=0)[0] > 0)
+        p.end_generation(counts)
+        p.begin_generation()
+    opened.append(run(p, 48, accepted_run=0)[0] > 0)
+    assert opened == ([True, True, False, True] if counts else [True] * 4)
 
 
 def test_settles_on_the_k_the_text_supports() -> None:
