@@ -153,6 +153,7 @@ void bind_testing(py::module_ m) {
         .def("hold_plain", &RateCheck::hold_plain, py::arg("n"), py::arg("modelled_plain"))
         .def("observe", &RateCheck::observe, py::arg("n"), py::arg("tokens"), py::arg("seconds"),
              py::arg("drafted"))
+        .def("drafting_won", &RateCheck::drafting_won, py::arg("n"), py::arg("modelled_plain"))
         .def("view", [](const RateCheck& c, int n) {
             const RateCheck::View v = c.view(n);
             return py::make_tuple(v.speculating, v.plain, v.holding, v.last_hold);

@@ -82,12 +82,16 @@ void Engine::step() {
 }
 
 bool Engine::held_to_target_only() {
+    // A step that also reads a prompt (a request arriving) is a step under load whose time is
+    // mostly the prompt's: the rate check does not measure it, so it is no place to try
+    // drafting either. It drafts only where drafting has already won for as many sequences.
+    const bool reads_prompt = !prefilling_.empty();
+    const bool loaded = decoding_.size() > 1 || reads_prompt;
     // A fixed K is the caller's choice, and a step with one is no measure of `auto`'s.
-    step_measured_ = decoding_.size() == 1  ? rate_check_on_.load()
-                     : decoding_.size() > 1 ? rate_check_under_load_.load()
-                                            : false;
-    for (const Generation* g : decoding_) step_measured_ = step_measured_ && g->adaptive();
-    if (!step_measured_) return false;
+    bool checked = loaded ? rate_check_under_load_.load() : rate_check_on_.load();
+    for (const Generation* g : decoding_) checked = checked && g->adaptive();
+    step_measured_ = checked && !reads_prompt;
+    if (!checked || decoding_.empty()) return false;
     const int n = static_cast<int>(decoding_.size());
     double modelled = 0.0;
     if (n == 1) {
@@ -97,6 +101,7 @@ bool Engine::held_to_target_only() {
         modelled = seconds > 0.0 ? n / seconds : 0.0;
     }
     std::lock_guard<std::mutex> lock(policy_mutex_);
+    if (reads_prompt) return !rate_check_.drafting_won(n, modelled);
     return rate_check_.hold_plain(n, modelled);
 }
 

@@ -127,6 +127,15 @@ void RateCheck::observe(int n, int tokens, double seconds, bool drafted) {
     l->spec_weight = kSpecDecay * l->spec_weight + 1.0;
 }
 
+bool RateCheck::drafting_won(int n, double modelled_plain) const {
+    if (n < 1 || n > static_cast<int>(lanes_.size())) return false;
+    const Lane& l = lanes_[static_cast<size_t>(n - 1)];
+    if (l.hold_left > 0 || l.retrying) return false;
+    const double plain = l.plain_known() ? l.plain_rate() : modelled_plain;
+    if (plain <= 0.0 || l.spec_weight < (l.under_load ? kTrySteps : kJudgeSteps)) return false;
+    return l.spec_rate() >= plain * (l.under_load ? 1.0 + kMargin : 1.0 - kMargin);
+}
+
 void RateCheck::new_text(int n) {
     Lane* l = lane(n);
     if (!l || l->hold_left == 0) return;

@@ -40,6 +40,11 @@ class RateCheck {
     // New text starts for `n` sequences: a hold under way ends (the doubling is kept: a try
     // that loses again holds twice as long).
     void new_text(int n);
+    // Whether drafting has won for `n` sequences as measured: no hold, no try under way, and
+    // its rate judged ahead of target-only's (under load by kMargin). Asked instead of
+    // hold_plain before a step that also reads a prompt: such a step is not observed, so it
+    // is no place for a try, and it neither counts down a hold.
+    bool drafting_won(int n, double modelled_plain) const;
 
     // What the check knows for n sequences (for tests and policy_state()).
     struct View {

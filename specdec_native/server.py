@@ -1600,15 +1600,19 @@ def create_app(
         return server.refuse("http-" + uuid.uuid4().hex, refusal)
 
     # The endpoints read their bodies themselves, within bounds (openai_api.read_json); their
-    # OpenAPI entries say what the body models take.
+    # OpenAPI entries say what the body models take. As llama-server does, each OpenAI path is
+    # served without its /v1 too (for a client whose base URL has none), left out of the schema.
+    @app.post("/chat/completions", include_in_schema=False)
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await server.handle(request, "chat")
 
+    @app.post("/completions", include_in_schema=False)
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await server.handle(request, "completion")
 
+    @app.post("/responses", include_in_schema=False)
     @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
     async def create_response(request: Request) -> Response:
         return await server.handle(request, "response")
@@ -1648,11 +1652,13 @@ def create_app(
 
     model = {"id": settings.model_alias, "object": "model", "owned_by": "specdec", "created": 0}
 
+    @app.get("/models", include_in_schema=False)
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         server.check_auth(request)
         return JSONResponse({"object": "list", "data": [model]})
 
+    @app.get("/models/{name:path}", include_in_schema=False)
     @app.get("/v1/models/{name:path}")
     async def retrieve_model(request: Request, name: str) -> Response:
         server.check_auth(request)

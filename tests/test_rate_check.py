@@ -143,6 +143,26 @@ def test_under_load_drafting_starts_held_and_must_win_its_tries() -> None:
     assert out["rate"] >= 1.8 * plain_rate(ahead, 4)
 
 
+def test_a_step_that_reads_a_prompt_drafts_only_where_drafting_has_won() -> None:
+    # Such a step is not measured: the engine asks drafting_won instead of holding or trying.
+    ahead = World(spec_tokens=2.6, spec_cost=1.3 * T0 * 2, seed=5)
+    level = World(spec_tokens=2.0, spec_cost=2.0 * T0 * 2, seed=4)
+    won, lost = testing.RateCheck(4), testing.RateCheck(4)
+    for check in (won, lost):
+        assert not check.drafting_won(4, plain_rate(ahead, 4))  # held before its first step
+    run(won, ahead, 60, n=4, modelled=plain_rate(ahead, 4))
+    run(lost, level, 60, n=4, modelled=plain_rate(level, 4))
+    assert won.drafting_won(4, plain_rate(ahead, 4))
+    assert not lost.drafting_won(4, plain_rate(level, 4))
+    assert not won.drafting_won(2, plain_rate(ahead, 2))  # another count: not seen to win
+    alone, one_ahead = testing.RateCheck(1), World(spec_tokens=2.6, spec_cost=1.3 * T0, seed=6)
+    assert not alone.drafting_won(1, plain_rate(one_ahead))  # nothing measured yet
+    run(alone, one_ahead, 60, modelled=plain_rate(one_ahead))
+    assert alone.drafting_won(1, plain_rate(one_ahead))
+    for n in (0, 2, -1):
+        assert alone.drafting_won(n, 1.0) is False
+
+
 def test_sequence_counts_are_judged_apart_and_out_of_range_is_ignored() -> None:
     check = testing.RateCheck(2)
     slow = World(spec_tokens=1.5, spec_cost=2.0 * T0)

@@ -95,6 +95,27 @@ def test_models_and_health(chat_server: Server, client: openai.OpenAI) -> None:
     assert httpx.get(chat_server.url + "/health").json() == {"status": "ok"}
 
 
+def test_a_base_url_without_v1_is_served_too(chat_server: Server, client: openai.OpenAI) -> None:
+    bare = openai.OpenAI(base_url=chat_server.url, api_key="none", max_retries=0)
+    assert [m.id for m in bare.models.list().data] == ["smol"]
+    assert bare.models.retrieve("smol").id == "smol"
+    answers = [
+        c.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=6,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+        for c in (bare, client)
+    ]
+    assert answers[0] and answers[0] == answers[1]
+    assert bare.completions.create(model="smol", prompt="One, two,", max_tokens=4).choices[0].text
+    paths = httpx.get(chat_server.url + "/openapi.json", timeout=10).json()["paths"]
+    assert "/v1/chat/completions" in paths and "/chat/completions" not in paths
+
+
 def test_chat_completion(client: openai.OpenAI, chat_server: Server) -> None:
     r = client.chat.completions.create(
         model="smol",
