@@ -64,16 +64,22 @@ void RateCheck::start_hold(Lane& l) {
     l.spec_tokens = l.spec_seconds = l.spec_weight = 0.0;
 }
 
-void RateCheck::judge(Lane& l, double modelled_plain) {
+RateCheck::Standing RateCheck::standing(const Lane& l, double modelled_plain) {
     // Target-only's rate as measured; until it is, as modelled (a hold then measures it).
     const double plain = l.plain_known() ? l.plain_rate() : modelled_plain;
-    if (plain <= 0.0 || l.spec_weight < (l.under_load ? kTrySteps : kEarlyJudgeSteps)) return;
+    if (plain <= 0.0 || l.spec_weight < (l.under_load ? kTrySteps : kEarlyJudgeSteps))
+        return Standing::kUnjudged;
     // The rate speculating must reach: under load a win, otherwise no loss beyond the noise.
     const double loss = l.spec_weight >= kJudgeSteps ? kMargin : kEarlyMargin;
     const double bar = l.under_load ? 1.0 + kMargin : 1.0 - loss;
-    if (l.spec_rate() < plain * bar)
+    return l.spec_rate() < plain * bar ? Standing::kLosing : Standing::kHolding;
+}
+
+void RateCheck::judge(Lane& l, double modelled_plain) {
+    const Standing s = standing(l, modelled_plain);
+    if (s == Standing::kLosing)
         start_hold(l);
-    else if (l.retrying && l.spec_weight >= 2 * kJudgeSteps)
+    else if (s == Standing::kHolding && l.retrying && l.spec_weight >= 2 * kJudgeSteps)
         l.retrying = false;  // the try after a hold held its own: the next hold is short
 }
 
@@ -130,10 +136,7 @@ void RateCheck::observe(int n, int tokens, double seconds, bool drafted) {
 bool RateCheck::drafting_won(int n, double modelled_plain) const {
     if (n < 1 || n > static_cast<int>(lanes_.size())) return false;
     const Lane& l = lanes_[static_cast<size_t>(n - 1)];
-    if (l.hold_left > 0 || l.retrying) return false;
-    const double plain = l.plain_known() ? l.plain_rate() : modelled_plain;
-    if (plain <= 0.0 || l.spec_weight < (l.under_load ? kTrySteps : kJudgeSteps)) return false;
-    return l.spec_rate() >= plain * (l.under_load ? 1.0 + kMargin : 1.0 - kMargin);
+    return l.hold_left == 0 && !l.retrying && standing(l, modelled_plain) == Standing::kHolding;
 }
 
 void RateCheck::new_text(int n) {

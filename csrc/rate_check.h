@@ -41,7 +41,7 @@ class RateCheck {
     // that loses again holds twice as long).
     void new_text(int n);
     // Whether drafting has won for `n` sequences as measured: no hold, no try under way, and
-    // its rate judged ahead of target-only's (under load by kMargin). Asked instead of
+    // its rate judged as judge() does (under load ahead of target-only's). Asked instead of
     // hold_plain before a step that also reads a prompt: such a step is not observed, so it
     // is no place for a try, and it neither counts down a hold.
     bool drafting_won(int n, double modelled_plain) const;
@@ -74,6 +74,10 @@ class RateCheck {
     };
     Lane* lane(int n);
     // Whether the policies' steps lose to target-only: if so, a hold starts.
+    // Where a lane's drafting stands against target-only, as judge() and drafting_won() see
+    // it: too few steps to tell, losing (a hold is due), or holding its own.
+    enum class Standing { kUnjudged, kLosing, kHolding };
+    static Standing standing(const Lane& l, double modelled_plain);
     void judge(Lane& l, double modelled_plain);
     void start_hold(Lane& l);
     std::vector<Lane> lanes_;  // [n - 1]
