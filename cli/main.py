@@ -404,10 +404,12 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
     "--draft", "draft", type=click.Path(path_type=Path), help="Draft model GGUF, or 'ngram'."
 )
 @click.option(
-    "--ngram",
-    is_flag=True,
-    help="With a draft model: try n-gram matches in the context first; without one, n-gram "
-    "drafting alone (as --draft ngram).",
+    "--ngram/--no-ngram",
+    default=None,
+    help="With a draft model, whether n-gram matches in the context are copied too. By "
+    "default under -k auto, each step drafting whichever promises more; --ngram also with a "
+    "fixed K (copied first); --no-ngram never. Without a draft model, --ngram drafts n-grams "
+    "alone (as --draft ngram).",
 )
 @click.option(
     "--ngram-min", default=1, show_default=True, type=int, help="Shortest n-gram matched."
@@ -482,7 +484,7 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 def run(
     target: Path | None,
     draft: Path | None,
-    ngram: bool,
+    ngram: bool | None,
     ngram_min: int,
     ngram_max: int,
     no_draft: bool,
@@ -524,6 +526,8 @@ def run(
         raise click.UsageError("--chat-template applies to --chat")
     if no_draft and (draft is not None or ngram):
         raise click.UsageError("--no-draft conflicts with --draft and --ngram")
+    if ngram is False and draft is not None and str(draft) == "ngram":
+        raise click.UsageError("--no-ngram conflicts with --draft ngram")
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -594,10 +598,11 @@ def _given(name: str) -> bool:
 
 
 def _refuse_options_without_effect(
-    *, ngram: bool, draft_model: bool, auto: bool, recalibrate: bool
+    *, ngram: bool | None, draft_model: bool, auto: bool, recalibrate: bool
 ) -> None:
     """`run`'s options that the rest of its command line leaves without effect."""
-    if not ngram and (_given("ngram_min") or _given("ngram_max")):
+    copies = ngram is True or (ngram is None and draft_model and auto)
+    if not copies and (_given("ngram_min") or _given("ngram_max")):
         raise click.UsageError("--ngram-min and --ngram-max apply to n-gram drafting")
     if not draft_model and _given("draft_p_min"):
         raise click.UsageError("--draft-p-min applies to a draft model")
@@ -996,12 +1001,14 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     help="On SIGTERM, seconds running requests get to finish.",
 )
 @click.option(
-    "--ngram",
+    "--ngram/--no-ngram",
     "ngram_with_model",
-    is_flag=True,
+    default=None,
     envvar="SPECDEC_NGRAM",
-    help="With a draft model: copy n-gram matches too, where `auto` expects them to pay more; "
-    "without one: n-gram drafting alone, as --draft ngram.",
+    help="With a draft model, whether n-gram matches in the context are copied too. By "
+    "default under -k auto, each step drafting whichever promises more; --ngram for every "
+    "request (a fixed K copies first) and with the shared index below; --no-ngram never. "
+    "Without a draft model, --ngram drafts n-grams alone (as --draft ngram).",
 )
 @click.option(
     "--ngram-index-mb",
@@ -1009,7 +1016,7 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     show_default=True,
     type=float,
     envvar="SPECDEC_NGRAM_INDEX_MB",
-    help="With n-gram drafting: MiB of one index over earlier requests' outputs, which later "
+    help="With --ngram or --draft ngram: MiB of one index over earlier requests' outputs, which later "
     "requests copy from (0: each request copies its own text only).",
 )
 @click.option(
@@ -1044,7 +1051,7 @@ def serve(
     max_queue: int,
     request_timeout: float | None,
     grace: float,
-    ngram_with_model: bool,
+    ngram_with_model: bool | None,
     ngram_index_mb: float,
     ngram_index_file: Path | None,
     chat_template: str | None,
@@ -1103,8 +1110,12 @@ def serve(
     GenerationSettings.checked(**sampling).check_values()  # likewise a bad value
     _check_server_text(model_alias=model_alias, api_key=api_key)
     ngram = draft is not None and str(draft) == "ngram"  # (the default pair's is a model)
+    if ngram and ngram_with_model is False:
+        raise click.ClickException("--no-ngram conflicts with --draft ngram")
     if ngram_index_file is not None:
-        _check_index_file(ngram_index_file, (ngram or ngram_with_model) and ngram_index_mb > 0)
+        _check_index_file(
+            ngram_index_file, (ngram or ngram_with_model is True) and ngram_index_mb > 0
+        )
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -1129,7 +1140,7 @@ def serve(
         return SpeculativeDecoder(
             target,
             draft_arg,
-            ngram=ngram or ngram_with_model,
+            ngram=True if ngram else ngram_with_model,
             ngram_index_mb=ngram_index_mb,
             n_draft=settings.n_draft,
             n_ctx=n_ctx,

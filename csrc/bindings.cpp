@@ -77,6 +77,13 @@ const char* draft_rule_name(DraftRule rule) {
     return "auto";
 }
 
+NgramUse parse_ngram_use(const std::string& use) {
+    if (use == "off") return NgramUse::kOff;
+    if (use == "auto") return NgramUse::kUnderAuto;
+    if (use == "on") return NgramUse::kAlways;
+    throw py::value_error("ngram must be 'off', 'auto' or 'on', got '" + use + "'");
+}
+
 DraftRule parse_draft_rule(const std::string& rule) {
     if (rule == "auto") return DraftRule::kAuto;
     if (rule == "sample") return DraftRule::kSample;
@@ -301,8 +308,8 @@ PYBIND11_MODULE(_core, m) {
     py::class_<Engine>(m, "Engine")
         .def(py::init([](const std::string& target, const std::optional<std::string>& draft,
                          int n_draft, int n_ctx, int n_batch, int n_threads, int n_gpu_layers,
-                         int draft_n_gpu_layers, bool ngram, int ngram_min, int ngram_max,
-                         bool verbose, uintptr_t target_model, uintptr_t draft_model,
+                         int draft_n_gpu_layers, const std::string& ngram, int ngram_min,
+                         int ngram_max, bool verbose, uintptr_t target_model, uintptr_t draft_model,
                          int n_parallel, size_t ngram_index_bytes) {
                  EngineConfig c;
                  c.target = model_params(target, n_gpu_layers, n_ctx, n_batch, n_threads);
@@ -312,7 +319,7 @@ PYBIND11_MODULE(_core, m) {
                      c.draft->borrowed = reinterpret_cast<llama_model*>(draft_model);
                  }
                  c.n_draft = n_draft;
-                 c.ngram = ngram;
+                 c.ngram = parse_ngram_use(ngram);
                  c.ngram_min = ngram_min;
                  c.ngram_max = ngram_max;
                  c.ngram_index_bytes = ngram_index_bytes;
@@ -324,7 +331,7 @@ PYBIND11_MODULE(_core, m) {
              py::arg("target"), py::arg("draft") = py::none(), py::arg("n_draft") = 4,
              py::arg("n_ctx") = 4096, py::arg("n_batch") = 512, py::arg("n_threads") = 0,
              py::arg("n_gpu_layers") = 0, py::arg("draft_n_gpu_layers") = 0,
-             py::arg("ngram") = false, py::arg("ngram_min") = 1, py::arg("ngram_max") = 4,
+             py::arg("ngram") = "off", py::arg("ngram_min") = 1, py::arg("ngram_max") = 4,
              py::arg("verbose") = false, py::arg("target_model") = 0, py::arg("draft_model") = 0,
              py::arg("n_parallel") = 1, py::arg("ngram_index_bytes") = 0)
         .def(

@@ -135,7 +135,7 @@ Engine::Engine(const EngineConfig& config)
         drafter_ = std::make_unique<ModelDrafter>(
             *draft_, kMaxDraft, [this](Model& m, const Batch& b) { decode(m, b); });
     }
-    if (config.ngram && config.ngram_index_bytes > 0)
+    if (config.ngram == NgramUse::kAlways && config.ngram_index_bytes > 0)
         ngram_index_ = std::make_unique<SharedNgramIndex>(config.ngram_min, config.ngram_max,
                                                           config.ngram_index_bytes);
     slots_.resize(static_cast<size_t>(config.n_parallel));
@@ -524,7 +524,8 @@ bool Engine::any_active() const {
 }
 
 bool Engine::needs_calibration(const GenerateRequest& request) const {
-    if (!Generation::speculates_adaptively(request, drafter_ != nullptr || config_.ngram))
+    if (!Generation::speculates_adaptively(request,
+                                           drafter_ != nullptr || config_.ngram != NgramUse::kOff))
         return false;
     std::lock_guard<std::mutex> lock(policy_mutex_);
     return !policy_.calibrated();

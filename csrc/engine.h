@@ -30,11 +30,11 @@ namespace specdec {
 struct EngineConfig {
     ModelParams target;
     std::optional<ModelParams> draft;
-    int n_draft = 4;     // K: tokens drafted per step (0: target only)
-    bool ngram = false;  // draft from n-gram matches in the context (before the draft model)
+    int n_draft = 4;                  // K: tokens drafted per step (0: target only)
+    NgramUse ngram = NgramUse::kOff;  // which requests draft from n-gram matches in the context
     int ngram_min = 1;
     int ngram_max = 4;
-    // With ngram: bytes of one index over every request's output that later requests copy
+    // With ngram kAlways: bytes of one index over every request's output that later requests copy
     // from (0: each request copies its own text only).
     size_t ngram_index_bytes = 0;
     int n_parallel = 1;  // requests generating at once, each in its own slot

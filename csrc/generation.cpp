@@ -45,10 +45,13 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
       n_draft_(req_.n_draft >= 0 ? req_.n_draft : parts.default_n_draft),
       constraint_(std::move(channel_->constraint)) {
     if (!req_.ngram_index) parts_.index = nullptr;
-    const bool engine_drafts = parts_.drafter != nullptr || parts_.ngram;
+    const bool engine_drafts = parts_.drafter != nullptr || parts_.ngram != NgramUse::kOff;
+    adaptive_ = speculates_adaptively(req_, engine_drafts);
     // A prediction says the output copies known text: where the engine has no other drafter,
     // the request's own text is looked up too.
-    const bool own_copies = parts_.ngram || (!req_.prediction.empty() && !parts_.drafter);
+    const bool own_copies = parts_.ngram == NgramUse::kAlways ||
+                            (parts_.ngram == NgramUse::kUnderAuto && adaptive_) ||
+                            (!req_.prediction.empty() && !parts_.drafter);
     if (own_copies) ngram_.emplace(parts_.ngram_min, parts_.ngram_max);
     if (!req_.prediction.empty()) {
         // Past the context the output cannot go: the rest would only cost memory.
@@ -60,7 +63,6 @@ Generation::Generation(const EngineParts& parts, std::shared_ptr<RequestChannel>
             parts_.ngram_min, parts_.ngram_max);
     }
     if (!can_draft(req_, engine_drafts)) n_draft_ = 0;
-    adaptive_ = speculates_adaptively(req_, engine_drafts);
     if (req_.adaptive && can_draft(req_, engine_drafts) && !adaptive_) {
         n_draft_ = 0;
         stats().fallback_reason = "short request";
@@ -283,7 +285,7 @@ void Generation::forget_draft() {
 // room, even where the policy would not draft with the model; a fixed K bounds them.
 bool Generation::draft_forced() {
     forget_draft();
-    const bool nothing_else = !parts_.drafter && !parts_.ngram;
+    const bool nothing_else = !parts_.drafter && parts_.ngram == NgramUse::kOff;
     const int room = adaptive_ || (nothing_else && req_.n_draft != 0) ? cap_ : k_;
     if (!constraint_ || !parts_.grammar_drafts || room <= 0) return false;
     const auto start = Clock::now();

@@ -183,7 +183,7 @@ struct EngineParts {
     Model& target;
     Model* draft;           // null: no draft model
     ModelDrafter* drafter;  // null: no draft model
-    bool ngram;             // draft from n-gram matches first
+    NgramUse ngram;         // which requests draft from n-gram matches
     int ngram_min, ngram_max;
     SharedNgramIndex* index;      // earlier requests' outputs (null: each request's own text only)
     CopyPolicy* prediction_copy;  // how far predictions' copies are accepted, over all requests

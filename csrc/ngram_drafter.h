@@ -11,6 +11,16 @@
 
 namespace specdec {
 
+// Which requests draft n-gram copies (of their own text, of the shared index).
+enum class NgramUse {
+    kOff,
+    // Requests under `auto` weigh copies against the draft model each step; a fixed K drafts
+    // with the model alone.
+    kUnderAuto,
+    // Every request: a fixed K copies first and asks the model where there is no match.
+    kAlways,
+};
+
 // Where the text's end repeats earlier text: the continuation starts at committed[from], and
 // the `length` tokens before it equal the text's last `length` (length >= the key that found it).
 struct NgramMatch {

@@ -22,7 +22,7 @@ the default pair with its draft model and n-gram copies (`--ngram`). (Gemma 3 27
 package is a base model without a chat template: it echoes chat prompts; give it as TARGET with
 `--chat-template gemma` to see.) specdec serves with the index on
 (`--ngram-index-mb 64`) and off (0); llama-server with no drafting, `--spec-type ngram-mod`
-and `ngram-map-k` (n-gram model only), or `-md` (with --pair). Reported per trace and server:
+and `ngram-map-k` (n-gram model only), or `-md` alone and after ngram-mod (with --pair). Reported per trace and server:
 generated tokens per second of generation time (prompt excluded: timings.predicted_ms), summed
 over the trace's requests; each round runs every server once, rotated; tokens drafted and
 accepted. llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds
@@ -417,6 +417,9 @@ def servers(
         out[f"build {build}, shared index"] = served_by(build)
     if draft:
         out["llama-server -md"] = llama_with("-md", str(draft), "-td", threads)
+        out["llama-server -md, ngram-mod first"] = llama_with(
+            "-md", str(draft), "-td", threads, "--spec-type", "ngram-mod,draft-simple"
+        )
     else:
         for kind in ("ngram-mod", "ngram-map-k"):
             out[f"llama-server {kind}"] = llama_with("--spec-type", kind)

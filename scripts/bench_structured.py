@@ -220,9 +220,13 @@ def main() -> None:
         for kind in ("ngram-mod", "ngram-map-k"):
             servers[f"llama-server --spec-type {kind}"] = [*base, "--spec-type", kind]
     else:
-        servers["llama-server -md (K=3, its default)"] = [*base, "-md", str(args.draft), "-td", t]
+        with_model = [*base, "-md", str(args.draft), "-td", t]
+        servers["llama-server -md (K=3, its default)"] = with_model
+        servers["llama-server -md, ngram-mod first"] = [
+            *with_model, "--spec-type", "ngram-mod,draft-simple"
+        ]  # fmt: skip
     dec = sd.SpeculativeDecoder(
-        args.target, args.draft, n_ctx=2048, n_threads=args.threads, ngram=args.ngram
+        args.target, args.draft, n_ctx=2048, n_threads=args.threads, ngram=args.ngram or None
     )
     n = args.n
     runs: dict[str, Callable[[], list[Outcome]]] = {
@@ -231,9 +235,19 @@ def main() -> None:
         "specdec auto, drafts ignore the grammar": lambda: specdec_run(dec, n, "auto", False),
         "specdec K=3, drafts know the grammar": lambda: specdec_run(dec, n, 3, True),
     }
+    decoders = [dec]
+    if not args.ngram:  # the same, its draft model alone (no n-gram copies beside it)
+        alone = sd.SpeculativeDecoder(
+            args.target, args.draft, n_ctx=2048, n_threads=args.threads, ngram=False
+        )
+        decoders.append(alone)
+        runs["specdec auto, the model alone (--no-ngram)"] = lambda: specdec_run(
+            alone, n, "auto", True
+        )
     for name, cmd in servers.items():
         runs[name] = lambda cmd=cmd: _with_server(cmd, n)  # type: ignore[misc]
-    specdec_run(dec, 16, "auto", True)  # warm-up: the calibration, the grammar's tokenizer
+    for d in decoders:
+        specdec_run(d, 16, "auto", True)  # warm-up: the calibration, the grammar's tokenizer
     results: dict[str, list[list[Outcome]]] = {name: [] for name in runs}
     for r in range(args.rounds):
         names = list(runs)
@@ -242,7 +256,8 @@ def main() -> None:
             started = time.monotonic()
             results[name].append(runs[name]())
             print(f"round {r + 1} {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
-    dec.close()
+    for d in decoders:
+        d.close()
     report(args, results)
 
 

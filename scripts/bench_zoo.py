@@ -156,7 +156,7 @@ def llama_cpp_cell(
 ) -> dict[str, float]:
     """llama-speculative-simple's rate per configuration over the prompts (one round)."""
     target, draft = files
-    specs = NGRAM_TYPES if member.ngram else [f"draft-simple K={k}" for k in range(1, 6)]
+    specs = NGRAM_TYPES if member.ngram else lcpp.model_draft_specs(range(1, 6))
     out = {}
     for spec in specs:
         tokens = 0

@@ -65,7 +65,7 @@ class Engine:
         n_threads: int = 0,
         n_gpu_layers: int = 0,
         draft_n_gpu_layers: int = 0,
-        ngram: bool = False,
+        ngram: str = "off",
         ngram_min: int = 1,
         ngram_max: int = 4,
         verbose: bool = False,

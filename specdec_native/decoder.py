@@ -256,6 +256,16 @@ MAX_NGRAM_INDEX_MB = 1 << 16  # 64 GiB: its positions are 32-bit
 MIN_NGRAM_INDEX_MB = 0.01  # less holds too little to be worth its lookups
 
 
+def _ngram_use(ngram: Any, draft_model: bool) -> str:
+    """The engine's n-gram mode: "on" (every request copies), "auto" (requests under auto weigh
+    copies against the draft model), "off"."""
+    if ngram is None:
+        return "auto" if draft_model else "off"
+    if not isinstance(ngram, bool):
+        raise ArgumentTypeError(f"ngram must be None, True or False, got {ngram!r}")
+    return "on" if ngram else "off"
+
+
 def _index_bytes(mb: Any) -> int:
     """The shared n-gram index's budget in bytes, from MiB."""
     ok = lambda v: v == 0 or MIN_NGRAM_INDEX_MB <= v <= MAX_NGRAM_INDEX_MB  # noqa: E731
@@ -931,9 +941,12 @@ class SpeculativeDecoder:
     """A target model, optionally a draft model, and the speculative loop between them.
 
     ``draft`` is a GGUF path, or "ngram" to draft from earlier occurrences of the text's last
-    n-gram (prompt lookup; no draft model). ``ngram=True`` with a draft model tries the n-gram
-    match first and asks the model only when there is none. ``ngram_index_mb`` > 0 (with n-gram
-    drafting) also copies from the outputs of earlier requests to this decoder, kept in one
+    n-gram (prompt lookup; no draft model). With a draft model, ``ngram`` says which requests
+    also copy such matches: by default (None) those under "auto", which each step draft the
+    proposal expected to commit tokens faster (a copy or the model's tokens), while a fixed K
+    drafts with the model alone; ``True`` every request, a fixed K copying first and asking the
+    model where there is no match; ``False`` none. ``ngram_index_mb`` > 0 (with ``ngram=True``
+    or ``draft="ngram"``) also copies from the outputs of earlier requests to this decoder, kept in one
     index of at most that many MiB (the older half forgotten when full): agent loops repeat
     their tool calls, plans and quotes from one request to the next.
 
@@ -960,7 +973,7 @@ class SpeculativeDecoder:
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         draft_n_gpu_layers: int | None = None,
-        ngram: bool = False,
+        ngram: bool | None = None,
         ngram_min: int = 1,
         ngram_max: int = 4,
         ngram_index_mb: float = 0.0,
@@ -980,6 +993,7 @@ class SpeculativeDecoder:
         if draft is not None and os.fspath(draft) == NGRAM:
             draft, ngram = None, True
         draft_path = None if draft is None else _check_model_path("draft", draft)
+        ngram_use = _ngram_use(ngram, draft_path is not None)
         _check_int("ngram_min", ngram_min)
         _check_int("ngram_max", ngram_max)
         index_bytes = _index_bytes(ngram_index_mb)
@@ -1010,7 +1024,7 @@ class SpeculativeDecoder:
             n_threads=threads,
             n_gpu_layers=n_gpu_layers,
             draft_n_gpu_layers=d_ngl,
-            ngram=bool(ngram),
+            ngram=ngram_use,
             ngram_min=ngram_min,
             ngram_max=ngram_max,
             verbose=verbose,
@@ -1039,13 +1053,13 @@ class SpeculativeDecoder:
         self._calibration_key = (
             calibration.inputs(
                 Path(target_path),
-                Path(draft_path) if draft_path else ("ngram" if ngram else None),
+                Path(draft_path) if draft_path else ("ngram" if ngram_use == "on" else None),
                 {
                     "n_threads": threads,
                     "n_batch": n_batch,
                     "n_gpu_layers": n_gpu_layers,
                     "draft_n_gpu_layers": d_ngl,
-                    "ngram": bool(ngram),
+                    "ngram": ngram_use,
                     "n_parallel": n_parallel,
                 },
             )

@@ -3,7 +3,7 @@
 Each round runs every configuration once on each prompt, in an order rotated per round: specdec's
 target-only, its fixed K's and `auto` in this process, and llama.cpp's speculation types (n-gram
 drafting: ngram-simple, ngram-map-k, ngram-mod; with a draft model: draft-simple at each fixed
-K) as subprocesses. Speed is generated tokens / generation time for both (prompt excluded), and
+K, alone and after ngram-mod) as subprocesses. Speed is generated tokens / generation time for both (prompt excluded), and
 every speed-up is over specdec's target-only run of the same prompt and round, so a slow spell
 of a shared machine falls on both sides of a ratio.
 
@@ -99,6 +99,12 @@ def parse_output(text: str) -> Run:
     )
 
 
+def model_draft_specs(ks: Sequence[int]) -> list[str]:
+    """llama.cpp's configurations with a draft model at each K: the model alone, and its
+    ngram-mod drafts first (as specdec's `auto` weighs copies beside the model)."""
+    return [f"{types} K={k}" for types in ("draft-simple", "ngram-mod,draft-simple") for k in ks]
+
+
 def llama_cpp_args(
     tools: Path,
     target: Path,
@@ -113,7 +119,8 @@ def llama_cpp_args(
     n_threads: int,
     n_gpu_layers: int,
 ) -> list[str]:
-    """The command line for one llama.cpp run. `spec` is an n-gram type or 'draft-simple K=k'.
+    """The command line for one llama.cpp run. `spec` is an n-gram type, 'draft-simple K=k', or
+    'ngram-mod,draft-simple K=k' (its n-gram drafts first, the model where they have none).
     Sampling is plain temperature (no top-k/top-p/min-p), as in specdec's runs."""
     args = [str(tools / "llama-speculative-simple"), "-m", str(target), "-p", prompt]
     # With -n N it generates N + 1 tokens (its loop ends past N); N - 1 makes it the same N.
@@ -121,10 +128,10 @@ def llama_cpp_args(
     args += ["-n", str(n_predict), "--temp", str(temperature), "--seed", str(seed)]
     args += ["--top-k", "0", "--top-p", "1", "--min-p", "0", "-c", str(n_ctx)]
     args += ["-t", str(n_threads), "-ngl", str(n_gpu_layers)]
-    if spec.startswith("draft-simple"):
+    types, _, k = spec.partition(" K=")
+    if "draft-simple" in types.split(","):
         assert draft is not None
-        k = spec.split("K=")[1]
-        args += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", k]
+        args += ["-md", str(draft), "--spec-type", types, "--spec-draft-n-max", k]
         args += ["-ngld", str(n_gpu_layers)]
     else:
         args += ["--spec-type", spec]
@@ -169,7 +176,7 @@ def compare(
     model_draft = None if ngram or draft is None else draft
     fixed = [k for k in ks if isinstance(k, int) and k > 0]
     ours: list[int | str] = [0, *fixed, *(["auto"] if "auto" in ks else [])]
-    theirs = list(NGRAM_TYPES) if ngram else [f"draft-simple K={k}" for k in fixed]
+    theirs = list(NGRAM_TYPES) if ngram else model_draft_specs(fixed)
     threads = n_threads or os.cpu_count() or 1
     report = Comparison(str(target), str(draft) if draft else None, max_tokens, repeats, {})
     report.machine = machine_info()

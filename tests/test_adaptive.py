@@ -55,9 +55,10 @@ def test_short_request_skips_speculation(deep_decoder: sd.SpeculativeDecoder) ->
 def test_falls_back_where_speculation_cannot_pay(smollm2_q40: Path) -> None:
     # A model drafting for itself costs as much as the target: no K can win. The costs are
     # injected (as this machine measures them, smoothed): the decision follows from them, and a
-    # calibration measured on a busy machine once made it otherwise.
+    # calibration measured on a busy machine once made it otherwise. The model alone: copies
+    # (free to draft) could still pay at these costs.
     with sd.SpeculativeDecoder(
-        smollm2_q40, smollm2_q40, n_draft="auto", n_ctx=512, calibration_cache=False
+        smollm2_q40, smollm2_q40, n_draft="auto", n_ctx=512, calibration_cache=False, ngram=False
     ) as dec:
         dec._live().set_calibration([0.005 + 0.003 * n for n in range(11)], [0.005, 0.008])
         r = dec.generate(PROMPTS[0], 60)

@@ -206,6 +206,7 @@ def test_bad_run_input_is_one_line(
         (("--chat-template", "chatml"), "--chat-template applies to --chat"),
         (("--draft", "ngram", "--no-draft"), "--no-draft conflicts"),
         (("--ngram", "--no-draft"), "--no-draft conflicts"),
+        (("--draft", "ngram", "--no-ngram"), "--no-ngram conflicts"),
         (("--ngram-min", "2"), "--ngram-min and --ngram-max apply"),
         (("--draft", "ngram", "--draft-p-min", "0.5"), "--draft-p-min applies"),
         (("--draft", "ngram", "-k", "3", "--recalibrate"), "--recalibrate applies"),
@@ -613,6 +614,13 @@ def test_llama_cpp_output_is_read() -> None:
         temperature=0.0, seed=1, n_ctx=256, n_threads=2, n_gpu_layers=0,
     )  # fmt: skip
     assert args[args.index("-n") + 1] == "63"
+    # Its n-gram drafts first, the draft model where they have none, K for the model.
+    args = vs.llama_cpp_args(
+        Path("bin"), Path("t.gguf"), Path("d.gguf"), "ngram-mod,draft-simple K=3", prompt="p",
+        max_tokens=64, temperature=0.0, seed=1, n_ctx=256, n_threads=2, n_gpu_layers=0,
+    )  # fmt: skip
+    assert args[args.index("--spec-type") + 1] == "ngram-mod,draft-simple"
+    assert args[args.index("--spec-draft-n-max") + 1] == "3" and "d.gguf" in args
 
 
 def test_ctrl_c_while_starting_is_quiet(tiny_pair: models.ModelPair) -> None:

@@ -83,7 +83,7 @@ def cases(draw: st.DrawFn, pair: models.ModelPair) -> dict[str, Any]:
         "draft": {"model": str(pair.draft), "model+ngram": str(pair.draft), "ngram": "ngram"}.get(
             drafter
         ),
-        "ngram": drafter == "model+ngram",
+        "ngram": {"model+ngram": True}.get(drafter),  # the model alone: None, the default
         "n_draft": draw(st.one_of(st.integers(0, 64), st.just("auto"))),
         "n_ctx": n_ctx,
         "n_batch": draw(st.one_of(st.integers(1, 64), st.integers(1, 1024))),

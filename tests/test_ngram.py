@@ -92,21 +92,30 @@ def test_auto_copies_spans_longer_than_a_model_draft(gemma3: Path) -> None:
     assert s.n_target_passes * 3 < len(spec.tokens)
 
 
-def test_auto_chooses_between_ngram_and_model(deep_pair: models.ModelPair) -> None:
-    # Each step drafts from whichever source promises more: a repeating text makes both pay
-    # (at costs where a model's draft pays too).
+def test_auto_chooses_between_ngram_and_model_by_default(deep_pair: models.ModelPair) -> None:
+    # Under auto each step drafts from whichever source promises more: a repeating text makes
+    # both pay (at costs where a model's draft pays too). A fixed K drafts with the model alone
+    # unless copies were asked for (ngram=True), and ngram=False never copies.
     with sd.SpeculativeDecoder(
-        deep_pair.target, deep_pair.draft, ngram=True, n_ctx=1024, calibration_cache=False
+        deep_pair.target, deep_pair.draft, n_ctx=1024, calibration_cache=False
     ) as dec:
         base = dec.generate(CODE_EDIT, 60, n_draft=0)
         set_costs_where_drafting_pays(dec)
         spec = dec.generate(CODE_EDIT, 60, n_draft="auto")
+        fixed = dec.generate(CODE_EDIT, 30, n_draft=3).stats
     assert_same_or_near_tie(spec, base, NEAR_TIE_GAP)
     assert_stats_add_up(spec.stats, len(spec.tokens))
     s = spec.stats
     assert s.drafted_by_ngram > 0 and s.drafted_by_model > 0
     assert s.drafted_by_ngram + s.drafted_by_model == s.n_drafted
     assert s.accepted_by_ngram > 0.5 * s.drafted_by_ngram
+    assert fixed.drafted_by_ngram == 0 and fixed.drafted_by_model == fixed.n_drafted > 0
+    with sd.SpeculativeDecoder(
+        deep_pair.target, deep_pair.draft, ngram=False, n_ctx=1024, calibration_cache=False
+    ) as dec:
+        set_costs_where_drafting_pays(dec)
+        off = dec.generate(CODE_EDIT, 60, n_draft="auto").stats
+    assert off.drafted_by_ngram == 0 and off.drafted_by_model == off.n_drafted > 0
 
 
 def test_point_mass_drafts_keep_the_distribution(tiny_dir: Path) -> None:

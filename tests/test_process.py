@@ -247,9 +247,14 @@ def test_close_stops_a_generation_running_on_another_thread(tiny_pair: models.Mo
 
     dec = sd.SpeculativeDecoder(tiny_pair.target, n_ctx=4096, n_threads=1)
     out: dict[str, sd.GenerationResult] = {}
-    worker = threading.Thread(target=lambda: out.update(r=dec.generate([1, 300, 270], 3000)))
+    started = threading.Event()  # (a fixed wait let a fast machine finish all 3000 tokens)
+    worker = threading.Thread(
+        target=lambda: out.update(
+            r=dec.generate([1, 300, 270], 3000, on_text=lambda _: started.set())
+        )
+    )
     worker.start()
-    time.sleep(0.5)
+    assert started.wait(timeout=30)
     dec.close()  # returns once the generation has stopped
     # The worker still has to return from generate() and store its result.
     worker.join(timeout=30)

@@ -714,12 +714,13 @@ def test_a_bad_size_is_refused_before_serving(
 def test_an_index_file_that_would_be_ignored_or_unsaved_is_refused(tmp_path: Path) -> None:
     file = str(tmp_path / "index.bin")
     for options in (
-        ("--ngram-index-file", file),  # the default pair drafts with its model only
+        ("--ngram-index-file", file),  # the default pair: no index without --ngram
         ("--ngram", "--ngram-index-mb", "0", "--ngram-index-file", file),
     ):
         assert "needs the shared n-gram index" in serve_refusal(*options)
     missing = str(tmp_path / "gone" / "index.bin")  # found out at exit, after serving
     assert "no such directory" in serve_refusal("--ngram", "--ngram-index-file", missing)
+    assert "--no-ngram conflicts" in serve_refusal("--draft", "ngram", "--no-ngram")
 
 
 @pytest.mark.parametrize(
