@@ -1016,8 +1016,8 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
     show_default=True,
     type=float,
     envvar="SPECDEC_NGRAM_INDEX_MB",
-    help="With --ngram or --draft ngram: MiB of one index over earlier requests' outputs, which later "
-    "requests copy from (0: each request copies its own text only).",
+    help="With --ngram or --draft ngram: MiB of one index over earlier requests' outputs, "
+    "which later requests copy from (0: each request copies its own text only).",
 )
 @click.option(
     "--ngram-index-file",
