@@ -946,9 +946,9 @@ class SpeculativeDecoder:
     proposal expected to commit tokens faster (a copy or the model's tokens), while a fixed K
     drafts with the model alone; ``True`` every request, a fixed K copying first and asking the
     model where there is no match; ``False`` none. ``ngram_index_mb`` > 0 (with ``ngram=True``
-    or ``draft="ngram"``) also copies from the outputs of earlier requests to this decoder, kept in one
-    index of at most that many MiB (the older half forgotten when full): agent loops repeat
-    their tool calls, plans and quotes from one request to the next.
+    or ``draft="ngram"``) also copies from the outputs of earlier requests to this decoder, kept
+    in one index of at most that many MiB (the older half forgotten when full): agent loops
+    repeat their tool calls, plans and quotes from one request to the next.
 
     ``n_draft`` (K) is how many tokens the draft proposes per step; without a draft, or with
     ``n_draft=0``, the same engine decodes with the target alone (the baseline).

@@ -3,9 +3,9 @@
 Each round runs every configuration once on each prompt, in an order rotated per round: specdec's
 target-only, its fixed K's and `auto` in this process, and llama.cpp's speculation types (n-gram
 drafting: ngram-simple, ngram-map-k, ngram-mod; with a draft model: draft-simple at each fixed
-K, alone and after ngram-mod) as subprocesses. Speed is generated tokens / generation time for both (prompt excluded), and
-every speed-up is over specdec's target-only run of the same prompt and round, so a slow spell
-of a shared machine falls on both sides of a ratio.
+K, alone and after ngram-mod) as subprocesses. Speed is generated tokens / generation time for
+both (prompt excluded), and every speed-up is over specdec's target-only run of the same prompt
+and round, so a slow spell of a shared machine falls on both sides of a ratio.
 
 llama.cpp's tools are built from the llama.cpp tree inside the pinned llama-cpp-python sdist by
 scripts/build_llama_cpp_tools.sh; nothing of llama.cpp is part of specdec.
