@@ -991,6 +991,8 @@ class SpeculativeDecoder:
         self._own_plain: ChatTemplate | None = None
         self._special: dict[str, int | None] = {}  # special_tokens' answers, by text
         if draft is not None and os.fspath(draft) == NGRAM:
+            if ngram is False:
+                raise ValueError('ngram=False contradicts draft="ngram"')
             draft, ngram = None, True
         draft_path = None if draft is None else _check_model_path("draft", draft)
         ngram_use = _ngram_use(ngram, draft_path is not None)
@@ -1059,7 +1061,7 @@ class SpeculativeDecoder:
                     "n_batch": n_batch,
                     "n_gpu_layers": n_gpu_layers,
                     "draft_n_gpu_layers": d_ngl,
-                    "ngram": ngram_use,
+                    "ngram": ngram_use == "on",  # (as stored before "auto" existed)
                     "n_parallel": n_parallel,
                 },
             )

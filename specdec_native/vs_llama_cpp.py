@@ -262,14 +262,14 @@ def summary(report: Comparison) -> list[dict[str, Any]]:
 def format_summary(report: Comparison) -> str:
     rows = summary(report)
     lines = [
-        f"{'T':>4} {'engine':<10} {'config':<18} {'tok/s':>7} {'speedup':>8} {'accept':>7} "
+        f"{'T':>4} {'engine':<10} {'config':<26} {'tok/s':>7} {'speedup':>8} {'accept':>7} "
         f"{'tokens':>7}",
-        "-" * 67,
+        "-" * 75,
     ]
     for r in rows:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         lines.append(
-            f"{r['temperature']:>4g} {r['engine']:<10} {r['config']:<18} "
+            f"{r['temperature']:>4g} {r['engine']:<10} {r['config']:<26} "
             f"{r['tokens_per_second']:>7.1f} {r['speedup']:>7.2f}x {acc:>7} {r['tokens']:>7.0f}"
         )
     for temp in dict.fromkeys(r["temperature"] for r in rows):

@@ -23,8 +23,9 @@ PRIOR_ACCEPTANCE = 0.7  # the policy's estimate at every position before it has 
 
 
 def test_auto_is_lossless_and_reports_its_choices(deep_pair: models.ModelPair) -> None:
+    # The draft model alone: what its policy learns of the model is asserted below.
     with sd.SpeculativeDecoder(
-        deep_pair.target, deep_pair.draft, n_ctx=1024, calibration_cache=False
+        deep_pair.target, deep_pair.draft, n_ctx=1024, calibration_cache=False, ngram=False
     ) as dec:
         set_costs_where_drafting_pays(dec)
         drafted = 0
@@ -85,7 +86,9 @@ def test_auto_reads_the_prompt_into_the_draft_at_its_first_draft(
     tiny_pair: models.ModelPair,
 ) -> None:
     prompt = "the cat sat on the mat and then the dog"
-    with sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, n_ctx=256, n_threads=1) as dec:
+    with sd.SpeculativeDecoder(
+        tiny_pair.target, tiny_pair.draft, n_ctx=256, n_threads=1, ngram=False
+    ) as dec:
         plain = dec.generate(prompt, 20, n_draft=0)
         # Drafting made nearly free: `auto` drafts, and its first draft catches up on the prompt.
         dec._live().set_calibration([0.01 + 0.001 * n for n in range(11)], [1e-5, 2e-5])
@@ -128,7 +131,12 @@ def test_a_probe_at_text_the_draft_gets_right_brings_drafting_back(
     # target-only; a new request probes at once, finds every token accepted, and drafting
     # resumes; the output stays the target's.
     with sd.SpeculativeDecoder(
-        tiny_pair.target, tiny_pair.target, n_ctx=256, n_threads=1, calibration_cache=False
+        tiny_pair.target,
+        tiny_pair.target,
+        n_ctx=256,
+        n_threads=1,
+        calibration_cache=False,
+        ngram=False,  # the model's probes (a copy can be rejected)
     ) as dec:
         dec._live().set_calibration(STEEP_VERIFY, CHEAP_DRAFT)
         assert dec.policy_state()["expected_rate"][0] == max(dec.policy_state()["expected_rate"])
@@ -143,8 +151,14 @@ def test_a_probe_at_text_the_draft_gets_right_brings_drafting_back(
 
 
 def _decoder(pair: models.ModelPair, calibration_cache: bool = True) -> sd.SpeculativeDecoder:
+    # The model alone: a long copy's steps are past the curve the recalibration judges by.
     return sd.SpeculativeDecoder(
-        pair.target, pair.draft, n_ctx=256, n_threads=1, calibration_cache=calibration_cache
+        pair.target,
+        pair.draft,
+        n_ctx=256,
+        n_threads=1,
+        calibration_cache=calibration_cache,
+        ngram=False,
     )
 
 
@@ -294,7 +308,7 @@ def test_a_stored_cost_curve_the_steps_contradict_is_measured_again(
     # One thread, not as many as the machine leaves free: costs that follow the load from one
     # decoder to the next would contradict each other.
     pair = (deep_pair.target, deep_pair.draft)
-    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1) as dec:
+    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1, ngram=False) as dec:
         dec.calibrate()
         clean = dec.policy_state()["verify_costs"]
     (path,) = (tmp_path / "calibration").glob("*.json")
@@ -303,14 +317,14 @@ def test_a_stored_cost_curve_the_steps_contradict_is_measured_again(
     record["verify_costs"] = [3 * t for t in record["verify_costs"]]
     record["draft_costs"] = [3 * t for t in record["draft_costs"]]
     path.write_text(json.dumps(record))
-    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1) as dec:
+    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1, ngram=False) as dec:
         healed = dec.generate(PROMPTS[0], 48)
         state = dec.policy_state()
         assert healed.stats.recalibrated and state["calibration"] == "measured"
         assert state["verify_costs"][0] < 2 * clean[0]
         assert len(healed.tokens) == 48
     # What was stored is the new measurement: the next run trusts it.
-    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1) as dec:
+    with sd.SpeculativeDecoder(*pair, n_ctx=512, n_threads=1, ngram=False) as dec:
         again = dec.generate(PROMPTS[0], 48)
         assert not again.stats.recalibrated and dec.policy_state()["calibration"] == "cache"
 

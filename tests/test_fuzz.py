@@ -71,7 +71,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 
 
 # Which drafter: a model, n-gram lookup, both, or none.
-DRAFTERS = ["model", "ngram", "model+ngram", "none"]
+DRAFTERS = ["model", "model-only", "ngram", "model+ngram", "none"]
 
 
 @st.composite
@@ -80,10 +80,9 @@ def cases(draw: st.DrawFn, pair: models.ModelPair) -> dict[str, Any]:
     n_ctx = draw(st.integers(16, 640))
     decoder: dict[str, Any] = {
         "target": str(pair.target),
-        "draft": {"model": str(pair.draft), "model+ngram": str(pair.draft), "ngram": "ngram"}.get(
-            drafter
-        ),
-        "ngram": {"model+ngram": True}.get(drafter),  # the model alone: None, the default
+        "draft": {"ngram": "ngram", "none": None}.get(drafter, str(pair.draft)),
+        # model: the default (copies beside the model under auto); model-only: none
+        "ngram": {"model+ngram": True, "model-only": False}.get(drafter),
         "n_draft": draw(st.one_of(st.integers(0, 64), st.just("auto"))),
         "n_ctx": n_ctx,
         "n_batch": draw(st.one_of(st.integers(1, 64), st.integers(1, 1024))),

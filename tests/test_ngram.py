@@ -373,3 +373,10 @@ def test_the_shared_index_is_saved_and_loaded(tiny_pair: models.ModelPair, tmp_p
     with sd.SpeculativeDecoder(tiny_pair.target, "ngram", n_ctx=128) as dec:
         with pytest.raises(ValueError, match="no shared n-gram index"):
             dec.save_ngram_index(path)
+
+
+def test_the_ngram_argument_is_checked(tiny_pair: models.ModelPair) -> None:
+    with pytest.raises(ValueError, match='ngram=False contradicts draft="ngram"'):
+        sd.SpeculativeDecoder(tiny_pair.target, "ngram", ngram=False)
+    with pytest.raises(sd.ArgumentTypeError, match="ngram must be None, True or False"):
+        sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, ngram=1)  # type: ignore[arg-type]
