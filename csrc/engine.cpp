@@ -108,6 +108,10 @@ Engine::Engine(const EngineConfig& config)
         throw std::invalid_argument("need 1 <= ngram_min <= ngram_max <= 16, got " +
                                     std::to_string(config.ngram_min) + " and " +
                                     std::to_string(config.ngram_max));
+    // Copies weighed against a draft model need one: without it fixed-K requests would count
+    // as drafting with nothing to draft.
+    if (config.ngram == NgramUse::kUnderAuto && !config.draft)
+        throw std::invalid_argument("ngram 'auto' weighs copies against a draft model: give one");
     if (config.n_parallel < 1 || config.n_parallel > kMaxParallel)
         throw std::invalid_argument("n_parallel must be in [1, " + std::to_string(kMaxParallel) +
                                     "]");

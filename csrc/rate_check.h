@@ -73,11 +73,11 @@ class RateCheck {
         bool plain_known() const;
     };
     Lane* lane(int n);
-    // Whether the policies' steps lose to target-only: if so, a hold starts.
     // Where a lane's drafting stands against target-only, as judge() and drafting_won() see
     // it: too few steps to tell, losing (a hold is due), or holding its own.
     enum class Standing { kUnjudged, kLosing, kHolding };
     static Standing standing(const Lane& l, double modelled_plain);
+    // Whether the policies' steps lose to target-only: if so, a hold starts.
     void judge(Lane& l, double modelled_plain);
     void start_hold(Lane& l);
     std::vector<Lane> lanes_;  // [n - 1]

@@ -21,7 +21,7 @@ from helpers import (
 from test_distribution import assert_copies_keep_the_distribution, homogeneity_pvalue
 
 import specdec_native as sd
-from specdec_native import models
+from specdec_native import _core, models
 from specdec_native._core import testing
 
 CODE_EDIT = (
@@ -380,3 +380,6 @@ def test_the_ngram_argument_is_checked(tiny_pair: models.ModelPair) -> None:
         sd.SpeculativeDecoder(tiny_pair.target, "ngram", ngram=False)
     with pytest.raises(sd.ArgumentTypeError, match="ngram must be None, True or False"):
         sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, ngram=1)  # type: ignore[arg-type]
+    # The engine's "auto" mode weighs copies against a draft model: without one it is refused.
+    with pytest.raises(ValueError, match="ngram 'auto' weighs copies against a draft model"):
+        _core.Engine(str(tiny_pair.target), None, ngram="auto")
