@@ -118,6 +118,7 @@ void bind_testing(py::module_ m) {
                 if (caught_up < 0 || t_catch_up < 0.0 || t_catch_up > t_draft)
                     throw py::value_error("need caught_up >= 0 and 0 <= t_catch_up <= t_draft");
                 StepOutcome step{k, n_accepted, t_draft, t_verify, caught_up, t_catch_up};
+                step.t_decode = t_verify;  // a made-up step has no acceptance to take off
                 if (accept_chance) {
                     const auto reached = static_cast<size_t>(std::min(k, n_accepted + 1));
                     if (accept_chance->size() != reached)
@@ -144,6 +145,17 @@ void bind_testing(py::module_ m) {
             },
             py::arg("cap"))
         .def("can_ever_pay", &AdaptivePolicy::can_ever_pay)
+        .def("cost_verdict",
+             [](const AdaptivePolicy& p) {
+                 switch (p.cost_verdict()) {
+                     case AdaptivePolicy::CostVerdict::kAgree:
+                         return "agree";
+                     case AdaptivePolicy::CostVerdict::kDisagree:
+                         return "disagree";
+                     default:
+                         return "unjudged";
+                 }
+             })
         .def_property_readonly("verify_costs", &AdaptivePolicy::verify_costs)
         .def_property_readonly("draft_costs", &AdaptivePolicy::draft_costs);
 

@@ -34,10 +34,13 @@ void track_cost(double& estimate, double sample) {
     estimate = kCostDecay * estimate + (1.0 - kCostDecay) * sample;
 }
 
-// A request judges the calibration on its first kHealSteps steps: when their median verify cost
-// is off from the calibrated one by more than kHealFactor either way (this 2-core machine's
-// noise between runs is 4-15 %), the costs are measured again.
+// A request judges the calibration on its first kHealSteps..kHealStepsMax steps: when their
+// median verify cost is off from the calibrated one by more than kHealFactor either way (this
+// 2-core machine's noise between runs is 4-15 %), the costs are measured again. The window is
+// wide so that a short slow spell (another process, or another decoder's idle threads still
+// spinning as a request opens) does not set off a measurement taking far longer than the spell.
 constexpr size_t kHealSteps = 12;
+constexpr size_t kHealStepsMax = 48;
 constexpr double kHealFactor = 1.5;
 constexpr int kHealContext = 512;
 
@@ -109,6 +112,7 @@ std::vector<double> AdaptivePolicy::acceptance() const {
 
 void AdaptivePolicy::begin_generation() {
     cost_ratios_.clear();
+    cost_ratios_.reserve(kHealStepsMax);  // before the steps: they allocate nothing
     // What the last request taught keeps its direction but counts as little as evidence can:
     // this text's own first steps decide.
     for (size_t i = 0; i < tries_.size(); ++i) fade_to(i, kEvidenceFloor);
@@ -386,7 +390,7 @@ void AdaptivePolicy::observe_verify_cost(const StepOutcome& step) {
     if (!calibrated() || step.shared) return;
     const auto k = static_cast<size_t>(step.k);
     // The calibration decodes after a short context; a long one makes decodes dearer.
-    if (k < calibrated_verify_.size() && cost_ratios_.size() < kHealSteps &&
+    if (k < calibrated_verify_.size() && cost_ratios_.size() < kHealStepsMax &&
         step.context <= kHealContext && step.t_decode > 0.0)
         cost_ratios_.push_back(step.t_decode / calibrated_verify_[k]);
     if (k < verify_cost_.size()) track_cost(verify_cost_[k], step.t_verify);

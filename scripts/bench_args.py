@@ -4,6 +4,7 @@ given), rounds, and tokens per request; each script adds its own options."""
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from specdec_native import models
@@ -27,3 +28,9 @@ def parse_pair(ap: argparse.ArgumentParser) -> argparse.Namespace:
         pair = models.default_pair()
         args.target, args.draft = pair.target, pair.draft
     return args
+
+
+def let_other_decoders_settle() -> None:
+    """Before a decoder's request when other decoders of this process ran just before: on a CPU
+    their idle OpenMP workers spin for a moment and would slow its first steps (README)."""
+    time.sleep(0.2)

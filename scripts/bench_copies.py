@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from bench_args import let_other_decoders_settle
 from bench_zoo import PROMPTS
 
 import specdec_native as sd
@@ -60,6 +61,7 @@ def run_pair(
                 for i, (prompt, (kind, text)) in enumerate(prompts.items()):
                     order = list(decoders) if (i + r) % 2 == 0 else list(decoders)[::-1]
                     for config in order:
+                        let_other_decoders_settle()
                         out = decoders[config].generate(
                             text, args.n, n_draft="auto", temperature=temp, seed=1000 * r + i
                         )

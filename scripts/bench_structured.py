@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import jsonschema  # type: ignore[import-untyped]
-from bench_args import pair_parser, parse_pair
+from bench_args import let_other_decoders_settle, pair_parser, parse_pair
 from bench_server import free_port, llama_cpp_tools, wait_ready
 
 import specdec_native as sd
@@ -158,6 +158,7 @@ def specdec_run(dec: sd.SpeculativeDecoder, n: int, k: int | str, aware: bool) -
     engine = dec._engine
     assert engine is not None
     engine.set_grammar_drafts(aware)
+    let_other_decoders_settle()
     out = []
     for passage, schema in PASSAGES:
         r = dec.generate(prompt_of(passage, schema), n, n_draft=k, json_schema=schema)

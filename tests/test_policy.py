@@ -404,6 +404,23 @@ def test_a_draft_too_slow_at_calibration_stays_so_through_a_slow_spell() -> None
     assert not p.can_ever_pay()
 
 
+def test_a_short_slow_spell_as_a_request_opens_does_not_contradict_the_costs() -> None:
+    # Measuring again takes far longer than such a spell (another decoder's idle threads still
+    # spinning, another process): the steps judge the costs over a window wider than the spell.
+    p = policy()
+    for slow in [True] * 10 + [False] * 30:
+        p.observe(0, 0, 0.0, (2.0 if slow else 1.0) * VERIFY[0])
+    assert p.cost_verdict() == "agree"
+    p.begin_generation()
+    for _ in range(40):
+        p.observe(0, 0, 0.0, 2.0 * VERIFY[0])
+    assert p.cost_verdict() == "disagree"
+    p.begin_generation()
+    for _ in range(11):
+        p.observe(0, 0, 0.0, 2.0 * VERIFY[0])
+    assert p.cost_verdict() == "unjudged"
+
+
 def test_rejects_bad_input() -> None:
     p = testing.AdaptivePolicy()
     with pytest.raises(ValueError, match="calibrate"):
