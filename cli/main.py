@@ -398,6 +398,11 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _check_no_ngram(draft: Path | None, ngram: bool | None) -> None:
+    if ngram is False and draft is not None and str(draft) == "ngram":
+        raise click.UsageError("--no-ngram conflicts with --draft ngram")
+
+
 @cli.command()
 @click.argument("target", required=False, type=click.Path(path_type=Path))
 @click.option(
@@ -526,8 +531,7 @@ def run(
         raise click.UsageError("--chat-template applies to --chat")
     if no_draft and (draft is not None or ngram):
         raise click.UsageError("--no-draft conflicts with --draft and --ngram")
-    if ngram is False and draft is not None and str(draft) == "ngram":
-        raise click.UsageError("--no-ngram conflicts with --draft ngram")
+    _check_no_ngram(draft, ngram)
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -736,6 +740,13 @@ def _check_plot(plot_out: Path | None, json_out: Path | None) -> None:
 @click.argument("target", required=False, type=click.Path(path_type=Path))
 @click.option("--draft", type=click.Path(path_type=Path), help="Draft model GGUF, or 'ngram'.")
 @click.option(
+    "--ngram/--no-ngram",
+    default=None,
+    help="With a draft model, whether n-gram matches are copied too: by default under auto "
+    "(weighed against the model each step); --ngram at every K; --no-ngram never. The report "
+    "records which. Without a draft model, --ngram drafts n-grams alone (as --draft ngram).",
+)
+@click.option(
     "-k",
     "--ks",
     default="1,2,3,4,6,8,auto",
@@ -792,6 +803,7 @@ def _check_plot(plot_out: Path | None, json_out: Path | None) -> None:
 def bench(
     target: Path | None,
     draft: Path | None,
+    ngram: bool | None,
     ks: str,
     temps: str,
     prompts_file: Path | None,
@@ -823,6 +835,9 @@ def bench(
     _check_plot(plot_out, json_out)
     if target is not None and draft is None and _given("ks"):
         raise click.UsageError("-k needs a draft: --draft MODEL or --draft ngram")
+    _check_no_ngram(draft, ngram)
+    if ngram and draft is None and target is not None:
+        draft = Path("ngram")  # as in `run`: n-grams alone
     if llama_cpp_bin is not None and not vs_llama_cpp and _given("llama_cpp_bin"):
         raise click.UsageError("--llama-cpp-bin applies to --vs-llama-cpp")
     tools = vs.find_tools(llama_cpp_bin) if vs_llama_cpp else None  # before models are built
@@ -851,6 +866,7 @@ def bench(
         n_ctx=n_ctx,
         n_threads=n_threads,
         n_gpu_layers=n_gpu_layers,
+        ngram=ngram,
         progress=progress,
     )
     if vs_llama_cpp:

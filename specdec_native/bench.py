@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from specdec_native import comparison as cmp
-from specdec_native.decoder import SpeculativeDecoder, Stats
+from specdec_native.decoder import NGRAM_MODES, SpeculativeDecoder, Stats
 
 T = TypeVar("T")
 
@@ -67,6 +67,9 @@ class BenchReport:
     # Round r samples with seed + r: at T > 0, runs of the same seed sample the same texts.
     # None: a pool of several runs (bench-pool), whose rounds came from several seeds.
     seed: int | None = DEFAULT_SEED
+    # The decoder's n-gram mode (SpeculativeDecoder.ngram_mode): "auto" (under `auto`, copies
+    # of the prompt's n-grams weighed against the draft model), "on", "off"; None: not recorded.
+    ngram: str | None = None
 
     def best_k(self, temperature: float) -> int:
         """The fixed K with the best mean speedup at this temperature."""
@@ -268,14 +271,16 @@ def run_bench(
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
     seed: int = DEFAULT_SEED,
+    ngram: bool | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> BenchReport:
     report = BenchReport(
         str(target), str(draft) if draft else None, machine_info(), max_tokens, repeats, seed=seed
     )
     with SpeculativeDecoder(
-        target, draft, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers
+        target, draft, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, ngram=ngram
     ) as dec:
+        report.ngram = dec.ngram_mode
         progress("warm-up")
         dec.generate(next(iter(prompts.values())), 16, n_draft=0)
         if draft:
@@ -365,7 +370,18 @@ def format_table(report: BenchReport) -> str:
         )
     temps = sorted({r.temperature for r in report.runs})
     lines.append("best K: " + ", ".join(f"T={t:g}: {_best_label(report, t)}" for t in temps))
+    if report.ngram:
+        lines.append(ngram_line(report.ngram))
     return "\n".join(lines)
+
+
+def ngram_line(mode: str) -> str:
+    """What a report's n-gram mode meant for its rows."""
+    return {
+        "auto": "n-gram copies: weighed against the draft model under auto (--no-ngram: never)",
+        "on": "n-gram copies: at every K (--ngram)",
+        "off": "n-gram copies: none",
+    }[mode]
 
 
 def _best_label(report: BenchReport, temperature: float) -> str:
@@ -398,6 +414,7 @@ def load_report(path: Path) -> BenchReport:
             d["repeats"],
             runs,
             seed=_seed_of(d),
+            ngram=d["ngram"] if d.get("ngram") in NGRAM_MODES else None,
         )
     except (
         json.JSONDecodeError,
@@ -464,8 +481,8 @@ def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
     if not reports:
         raise ValueError("no reports to pool")
 
-    def setup(r: BenchReport) -> tuple[str, str | None, int]:
-        return Path(r.target).name, Path(r.draft).name if r.draft else None, r.max_tokens
+    def setup(r: BenchReport) -> tuple[str, str | None, int, str | None]:
+        return Path(r.target).name, Path(r.draft).name if r.draft else None, r.max_tokens, r.ngram
 
     for r in reports[1:]:
         if setup(r) != setup(reports[0]):
@@ -484,6 +501,7 @@ def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
         first.max_tokens,
         sum(r.repeats for r in reports),
         seed=None,
+        ngram=first.ngram,
     )
     pooled.runs = [_pooled_run([runs[key] for runs in by_key]) for key in shared]
     return pooled

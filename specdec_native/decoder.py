@@ -256,6 +256,9 @@ MAX_NGRAM_INDEX_MB = 1 << 16  # 64 GiB: its positions are 32-bit
 MIN_NGRAM_INDEX_MB = 0.01  # less holds too little to be worth its lookups
 
 
+NGRAM_MODES = ("auto", "on", "off")  # SpeculativeDecoder.ngram_mode
+
+
 def _ngram_use(ngram: Any, draft_model: bool) -> str:
     """The engine's n-gram mode: "on" (every request copies), "auto" (requests under auto weigh
     copies against the draft model), "off"."""
@@ -1046,6 +1049,7 @@ class SpeculativeDecoder:
         _open_decoders.add(self)
         self.target_path = target_path
         self.draft_path = draft_path
+        self._ngram_mode = ngram_use
         # Where the "auto" policy's cost curve came from: None (not yet), "measured", "cache".
         self._calibration: str | None = None
         self._cannot_pay_before = 0  # measurements in a row the stored curve could not pay by
@@ -1154,6 +1158,14 @@ class SpeculativeDecoder:
     @property
     def n_ctx(self) -> int:
         return self._live().n_ctx
+
+    @property
+    def ngram_mode(self) -> str:
+        """What n-gram drafting does: "auto" (requests under ``auto`` weigh copies of their
+        own text's n-grams against the draft model), "on" (every request copies; with a shared
+        index), "off" (the ``ngram`` argument, resolved)."""
+        self._live()
+        return self._ngram_mode
 
     @property
     def n_parallel(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec_native._paths import cache_base
-from specdec_native.bench import machine_info, pyplot, rotated
+from specdec_native.bench import machine_info, ngram_line, pyplot, rotated
 from specdec_native.decoder import SpeculativeDecoder
 
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
@@ -66,6 +66,7 @@ class Comparison:
     repeats: int
     machine: dict[str, Any]
     rows: list[Row] = field(default_factory=list)
+    ngram: str | None = None  # specdec's n-gram mode (SpeculativeDecoder.ngram_mode)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,19 +171,21 @@ def compare(
     n_threads: int | None,
     n_gpu_layers: int,
     tools: Path,
+    ngram: bool | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Comparison:
-    ngram = draft is not None and str(draft) == "ngram"
-    model_draft = None if ngram or draft is None else draft
+    ngram_alone = draft is not None and str(draft) == "ngram"
+    model_draft = None if ngram_alone or draft is None else draft
     fixed = [k for k in ks if isinstance(k, int) and k > 0]
     ours: list[int | str] = [0, *fixed, *(["auto"] if "auto" in ks else [])]
-    theirs = list(NGRAM_TYPES) if ngram else model_draft_specs(fixed)
+    theirs = list(NGRAM_TYPES) if ngram_alone else model_draft_specs(fixed)
     threads = n_threads or os.cpu_count() or 1
     report = Comparison(str(target), str(draft) if draft else None, max_tokens, repeats, {})
     report.machine = machine_info()
     with SpeculativeDecoder(
-        target, draft, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers
+        target, draft, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, ngram=ngram
     ) as dec:
+        report.ngram = dec.ngram_mode
         first = next(iter(prompts.values()))
         dec.generate(first, 16, n_draft=0)
         if "auto" in ks:
@@ -283,6 +286,8 @@ def format_summary(report: Comparison) -> str:
                 f"({best['config']}) {best['speedup']:.2f}x: "
                 f"{auto[0]['speedup'] / best['speedup']:.2f}x of it"
             )
+    if report.ngram:
+        lines.append("specdec " + ngram_line(report.ngram))
     return "\n".join(lines)
 
 

@@ -363,8 +363,9 @@ def test_bench_report_and_plot(tiny_pair: models.ModelPair, tmp_path: Path) -> N
     )
     assert r.returncode == 0, r.stderr
     assert "best K" in r.stdout and "auto vs the fixed K" in r.stdout
+    assert "n-gram copies: weighed against the draft model under auto" in r.stdout
     report = json.loads(out.read_text())
-    assert report["seed"] == 7
+    assert report["seed"] == 7 and report["ngram"] == "auto"
     # baseline + 2 K values + auto, 2 prompts, 2 temperatures
     assert len(report["runs"]) == 4 * 2 * 2
     for run in report["runs"]:
@@ -492,6 +493,17 @@ def test_bench_refuses_bad_options_before_loading(
     assert_one_line_error(r, match)
 
 
+def test_bench_runs_and_records_the_model_alone(
+    tiny_pair: models.ModelPair, tmp_path: Path
+) -> None:
+    out = tmp_path / "r.json"
+    args = ("-k", "auto", "-n", "8", "-r", "1", "--only", "code", "--json", out)
+    r = run_cli("bench", tiny_pair.target, "--draft", tiny_pair.draft, "--no-ngram", *args)
+    assert r.returncode == 0, r.stderr
+    assert "n-gram copies: none" in r.stdout
+    assert json.loads(out.read_text())["ngram"] == "off"
+
+
 def test_bench_refuses_options_left_without_effect(
     tiny_pair: models.ModelPair, tmp_path: Path
 ) -> None:
@@ -503,6 +515,7 @@ def test_bench_refuses_options_left_without_effect(
         (("--draft", "ngram", "--plot", tmp_path / "r.out"), "--plot: name a"),
         (("--draft", "ngram", "--json", same, "--plot", same), "the same file"),
         (("--llama-cpp-bin", tmp_path), "applies to --vs-llama-cpp"),
+        (("--draft", "ngram", "--no-ngram"), "--no-ngram conflicts with --draft ngram"),
     ):
         assert_one_line_error(run_cli("bench", tiny_pair.target, "-r", "1", *args), match)
 
