@@ -1128,10 +1128,13 @@ def serve(
     ngram = draft is not None and str(draft) == "ngram"  # (the default pair's is a model)
     if ngram and ngram_with_model is False:
         raise click.ClickException("--no-ngram conflicts with --draft ngram")
-    if ngram_index_file is not None:
-        _check_index_file(
-            ngram_index_file, (ngram or ngram_with_model is True) and ngram_index_mb > 0
+    copies_at_every_k = ngram or ngram_with_model is True
+    if _given("ngram_index_mb") and ngram_index_mb > 0 and not copies_at_every_k:
+        raise click.ClickException(
+            "--ngram-index-mb applies to the shared n-gram index: --draft ngram, or --ngram"
         )
+    if ngram_index_file is not None:
+        _check_index_file(ngram_index_file, copies_at_every_k and ngram_index_mb > 0)
     if target is None:
         if draft is not None:
             raise click.UsageError("--draft needs a TARGET")
@@ -1157,7 +1160,7 @@ def serve(
             target,
             draft_arg,
             ngram=True if ngram else ngram_with_model,
-            ngram_index_mb=ngram_index_mb,
+            ngram_index_mb=ngram_index_mb if copies_at_every_k else 0,
             n_draft=settings.n_draft,
             n_ctx=n_ctx,
             n_threads=n_threads,

@@ -1002,6 +1002,11 @@ class SpeculativeDecoder:
         _check_int("ngram_min", ngram_min)
         _check_int("ngram_max", ngram_max)
         index_bytes = _index_bytes(ngram_index_mb)
+        if index_bytes and ngram_use != "on":
+            raise ValueError(
+                'ngram_index_mb needs ngram=True or draft="ngram": the shared index serves '
+                "requests that copy at every K"
+            )
         self._adaptive = _is_auto(n_draft)
         # Under "auto" every request is adaptive unless it names its own K: no default K.
         fixed_k = 0 if self._adaptive else _check_int("n_draft", n_draft)

@@ -117,6 +117,19 @@ def test_bad_constructor_arguments(tiny_pair: models.ModelPair, kwargs: dict[str
         sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, **kwargs)
 
 
+@pytest.mark.parametrize("ngram", [None, False])
+def test_a_shared_index_without_copies_at_every_k_is_refused(
+    tiny_pair: models.ModelPair, ngram: bool | None
+) -> None:
+    # It would be built for requests that never copy from it: an option silently without effect.
+    with pytest.raises(ValueError, match="ngram_index_mb needs ngram=True"):
+        sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, ngram=ngram, ngram_index_mb=1)
+    with pytest.raises(ValueError, match="ngram_index_mb needs ngram=True"):
+        sd.SpeculativeDecoder(tiny_pair.target, ngram=ngram, ngram_index_mb=1)
+    with sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft, ngram=True, ngram_index_mb=1):
+        pass
+
+
 def test_use_after_close(tiny_pair: models.ModelPair) -> None:
     dec = sd.SpeculativeDecoder(tiny_pair.target, tiny_pair.draft)
     dec.close()
