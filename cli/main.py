@@ -399,6 +399,7 @@ def _format_stats(stats: Any, finish_reason: str, calibration: str | None = None
 
 
 def _check_no_ngram(draft: Path | None, ngram: bool | None) -> None:
+    """Refuses --no-ngram where n-grams are the only draft."""
     if ngram is False and draft is not None and str(draft) == "ngram":
         raise click.UsageError("--no-ngram conflicts with --draft ngram")
 
@@ -833,11 +834,11 @@ def bench(
     _writable(json_out, "--json")
     _writable(plot_out, "--plot")
     _check_plot(plot_out, json_out)
-    if target is not None and draft is None and _given("ks"):
-        raise click.UsageError("-k needs a draft: --draft MODEL or --draft ngram")
     _check_no_ngram(draft, ngram)
     if ngram and draft is None and target is not None:
         draft = Path("ngram")  # as in `run`: n-grams alone
+    if target is not None and draft is None and _given("ks"):
+        raise click.UsageError("-k needs a draft: --draft MODEL, --draft ngram or --ngram")
     if llama_cpp_bin is not None and not vs_llama_cpp and _given("llama_cpp_bin"):
         raise click.UsageError("--llama-cpp-bin applies to --vs-llama-cpp")
     tools = vs.find_tools(llama_cpp_bin) if vs_llama_cpp else None  # before models are built
@@ -1131,7 +1132,8 @@ def serve(
     copies_at_every_k = ngram or ngram_with_model is True
     if _given("ngram_index_mb") and ngram_index_mb > 0 and not copies_at_every_k:
         raise click.ClickException(
-            "--ngram-index-mb applies to the shared n-gram index: --draft ngram, or --ngram"
+            "--ngram-index-mb (SPECDEC_NGRAM_INDEX_MB) applies to the shared n-gram index: "
+            "--draft ngram, or --ngram"
         )
     if ngram_index_file is not None:
         _check_index_file(ngram_index_file, copies_at_every_k and ngram_index_mb > 0)

@@ -152,9 +152,10 @@ void bind_testing(py::module_ m) {
                          return "agree";
                      case AdaptivePolicy::CostVerdict::kDisagree:
                          return "disagree";
-                     default:
-                         return "unjudged";
+                     case AdaptivePolicy::CostVerdict::kUnjudged:
+                         break;
                  }
+                 return "unjudged";
              })
         .def_property_readonly("verify_costs", &AdaptivePolicy::verify_costs)
         .def_property_readonly("draft_costs", &AdaptivePolicy::draft_costs);

@@ -1,5 +1,6 @@
-"""The command line the bench scripts share: a pair (the embedded default pair when none is
-given), rounds, and tokens per request; each script adds its own options."""
+"""What the bench scripts share: the command line (a pair, the embedded default pair when none
+is given; rounds; tokens per request; each script adds its own options), and a pause between
+decoders of one process."""
 
 from __future__ import annotations
 

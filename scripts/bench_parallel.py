@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_args import pair_parser, parse_pair
+from bench_args import let_other_decoders_settle, pair_parser, parse_pair
 
 import specdec_native as sd
 
@@ -137,6 +137,7 @@ def main() -> None:
         for c in levels:
             for name in names:
                 dec, k = configs[name]
+                let_other_decoders_settle()
                 results.setdefault((name, c), []).append(run_batch(dec, c, args.n, k))
     print(f"{args.target.name} + {args.draft.name}, {args.n} tokens per request, greedy")
     print("| decoder | streams | aggregate tok/s | latency p50 / max (s) | rounds (tok/s) |")

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from specdec_native import comparison as cmp
 from specdec_native.decoder import NGRAM_MODES, SpeculativeDecoder, Stats
@@ -370,7 +370,7 @@ def format_table(report: BenchReport) -> str:
         )
     temps = sorted({r.temperature for r in report.runs})
     lines.append("best K: " + ", ".join(f"T={t:g}: {_best_label(report, t)}" for t in temps))
-    if report.ngram:
+    if report.ngram and report.draft:
         lines.append(ngram_line(report.ngram))
     return "\n".join(lines)
 
@@ -379,7 +379,7 @@ def ngram_line(mode: str) -> str:
     """What a report's n-gram mode meant for its rows."""
     return {
         "auto": "n-gram copies: weighed against the draft model under auto (--no-ngram: never)",
-        "on": "n-gram copies: at every K (--ngram)",
+        "on": "n-gram copies: at every K",
         "off": "n-gram copies: none",
     }[mode]
 
@@ -414,7 +414,7 @@ def load_report(path: Path) -> BenchReport:
             d["repeats"],
             runs,
             seed=_seed_of(d),
-            ngram=d["ngram"] if d.get("ngram") in NGRAM_MODES else None,
+            ngram=_ngram_of(d),
         )
     except (
         json.JSONDecodeError,
@@ -472,12 +472,19 @@ def _seed_of(d: dict[str, Any]) -> int | None:
     return None if seed is None else int(seed)
 
 
+def _ngram_of(d: dict[str, Any]) -> str | None:
+    mode = d.get("ngram")
+    if mode is not None and mode not in NGRAM_MODES:
+        raise ValueError(f"'ngram' is not one of {', '.join(NGRAM_MODES)}")
+    return cast(str | None, mode)
+
+
 def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
     """One report holding every round of these reports, for the configurations (temperature,
     prompt, K) all of them ran: more rounds than one run holds, for a steadier comparison (on a
     shared CPU a cell moves by 5-10 points between runs of the same decisions). Each round
     stays paired with its own target-only run, so runs on different days or machines pool as
-    speed-ups. The reports must be of the same pair (by file name) and max_tokens."""
+    speed-ups. The reports must be of the same pair (by file name), max_tokens and n-gram mode."""
     if not reports:
         raise ValueError("no reports to pool")
 
@@ -487,7 +494,8 @@ def pool_reports(reports: Sequence[BenchReport]) -> BenchReport:
     for r in reports[1:]:
         if setup(r) != setup(reports[0]):
             raise ValueError(
-                f"cannot pool runs of different pairs or lengths: {setup(reports[0])} and {setup(r)}"
+                "cannot pool runs of different pairs, lengths or n-gram modes (None: not "
+                f"recorded): {setup(reports[0])} and {setup(r)}"
             )
     by_key = [{(x.temperature, x.prompt, x.n_draft): x for x in r.runs} for r in reports]
     shared = [key for key in by_key[0] if all(key in runs for runs in by_key[1:])]

@@ -1166,9 +1166,9 @@ class SpeculativeDecoder:
 
     @property
     def ngram_mode(self) -> str:
-        """What n-gram drafting does: "auto" (requests under ``auto`` weigh copies of their
-        own text's n-grams against the draft model), "on" (every request copies; with a shared
-        index), "off" (the ``ngram`` argument, resolved)."""
+        """What n-gram drafting does, the ``ngram`` argument resolved: "auto" (requests under
+        ``auto`` weigh copies of their own text's n-grams against the draft model), "on" (every
+        request copies; with a shared index), "off"."""
         self._live()
         return self._ngram_mode
 

@@ -493,15 +493,19 @@ def test_bench_refuses_bad_options_before_loading(
     assert_one_line_error(r, match)
 
 
-def test_bench_runs_and_records_the_model_alone(
-    tiny_pair: models.ModelPair, tmp_path: Path
-) -> None:
+def test_bench_runs_and_records_its_ngram_mode(tiny_pair: models.ModelPair, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     args = ("-k", "auto", "-n", "8", "-r", "1", "--only", "code", "--json", out)
     r = run_cli("bench", tiny_pair.target, "--draft", tiny_pair.draft, "--no-ngram", *args)
     assert r.returncode == 0, r.stderr
     assert "n-gram copies: none" in r.stdout
     assert json.loads(out.read_text())["ngram"] == "off"
+    # --ngram without a draft model: n-grams alone, as in `run`, at the Ks given.
+    r = run_cli("bench", tiny_pair.target, "--ngram", "-k", "2,auto", *args[2:])
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["ngram"] == "on" and report["draft"] == "ngram"
+    assert {run["n_draft"] for run in report["runs"]} == {0, 2, "auto"}
 
 
 def test_bench_refuses_options_left_without_effect(

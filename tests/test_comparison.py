@@ -1,6 +1,7 @@
 """The statistics behind `bench`'s auto-vs-best-fixed-K table (specdec_native/comparison.py), and
 the pooling of several runs' rounds (`bench-pool`)."""
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -135,6 +136,11 @@ def test_only_runs_of_one_pair_and_length_pool() -> None:
         bench.pool_reports([a, _report("t.gguf", {("prose", 0): [1.0, 1.0]})])
     with pytest.raises(ValueError, match="no reports"):
         bench.pool_reports([])
+    # `auto` with copies and the model alone are different decoders.
+    copies = dataclasses.replace(a, ngram="auto")
+    with pytest.raises(ValueError, match="n-gram modes"):
+        bench.pool_reports([copies, dataclasses.replace(a, ngram="off")])
+    assert bench.pool_reports([copies, copies]).ngram == "auto"
 
 
 def test_a_report_is_read_back_as_written(tmp_path: Path) -> None:
@@ -154,6 +160,12 @@ def test_a_report_is_read_back_as_written(tmp_path: Path) -> None:
     assert bench.load_report(path).seed is None
     assert bench.pool_reports([bench.load_report(path), a]).repeats == 3 * a.repeats
     path.write_text('{"runs": [{"prompt": "code"}]}')
+    with pytest.raises(ValueError, match="not a report"):
+        bench.load_report(path)
+    # The n-gram mode reads back; one that is none of them is no report.
+    path.write_text(json.dumps(dataclasses.replace(a, ngram="off").as_dict()))
+    assert bench.load_report(path).ngram == "off"
+    path.write_text(json.dumps({**a.as_dict(), "ngram": "ON"}))
     with pytest.raises(ValueError, match="not a report"):
         bench.load_report(path)
 
