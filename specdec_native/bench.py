@@ -68,7 +68,8 @@ class BenchReport:
     # None: a pool of several runs (bench-pool), whose rounds came from several seeds.
     seed: int | None = DEFAULT_SEED
     # The decoder's n-gram mode (SpeculativeDecoder.ngram_mode): "auto" (under `auto`, copies
-    # of the prompt's n-grams weighed against the draft model), "on", "off"; None: not recorded.
+    # of the request's own text weighed against the draft model), "on", "off"; None: not
+    # recorded.
     ngram: str | None = None
 
     def best_k(self, temperature: float) -> int:

@@ -722,7 +722,7 @@ def test_an_index_file_that_would_be_ignored_or_unsaved_is_refused(tmp_path: Pat
     assert "no such directory" in serve_refusal("--ngram", "--ngram-index-file", missing)
     assert "--no-ngram conflicts" in serve_refusal("--draft", "ngram", "--no-ngram")
     # The default pair without --ngram has no shared index for a size to apply to.
-    assert "--ngram-index-mb applies to the shared" in serve_refusal("--ngram-index-mb", "8")
+    assert "applies to the shared n-gram index" in serve_refusal("--ngram-index-mb", "8")
 
 
 @pytest.mark.parametrize(
