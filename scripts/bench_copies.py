@@ -7,7 +7,8 @@
 One process, two decoders on each pair (zoo members of --seed, or --pair): `ngram=False` (the
 draft model alone) and the default (requests under `auto` also weigh copies of their own text's
 n-gram matches). Every prompt of the split runs on both, the order alternating per prompt and
-round, so a slow spell of the machine falls on both. Prints per pair and temperature each
+round, so a slow spell of the machine falls on both, with a pause before each request (the
+other decoder's idle threads would slow its first steps). Prints per pair and temperature each
 round's rates (generated tokens over generation time, the prompt excluded) and their ratio, then
 per prompt kind; OUT.json holds every request's numbers.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_args import let_other_decoders_settle
-from bench_zoo import PROMPTS
+from bench_zoo import load_prompt_kinds
 
 import specdec_native as sd
 from specdec_native import models
@@ -116,11 +117,7 @@ def main() -> None:
     args = ap.parse_args()
     if (args.seed is None) == (args.pair is None):
         ap.error("give --seed or --pair")
-    prompts = {}
-    for line in PROMPTS.read_text().splitlines():
-        row = json.loads(line)
-        if row["split"] == args.split:
-            prompts[row["name"]] = (row["kind"], row["prompt"])
+    prompts = load_prompt_kinds(args.split)
     rows = []
     for name, target, draft in pairs(args):
         rows += run_pair(name, target, draft, prompts, args)

@@ -49,11 +49,16 @@ SEED = 1234
 
 
 def load_prompts(split: str, kinds: set[str] | None) -> dict[str, str]:
+    return {name: prompt for name, (_, prompt) in load_prompt_kinds(split, kinds).items()}
+
+
+def load_prompt_kinds(split: str, kinds: set[str] | None = None) -> dict[str, tuple[str, str]]:
+    """The split's prompts (of these kinds), by name: (kind, prompt)."""
     out = {}
     for line in PROMPTS.read_text().splitlines():
         row = json.loads(line)
         if row["split"] == split and (kinds is None or row["kind"] in kinds):
-            out[row["name"]] = row["prompt"]
+            out[row["name"]] = (row["kind"], row["prompt"])
     return out
 
 
