@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "constraint.h"
@@ -25,6 +27,54 @@ void bind_testing(py::module_ m);  // bindings_testing.cpp
 #endif
 
 namespace {
+
+// Native calls running without the GIL, process-wide. A call that returns while the interpreter
+// is finalizing must not take the GIL back: Python ends such a thread with pthread_exit, whose
+// unwinding through C++ frames (noexcept destructors among them) aborts the process. At exit,
+// specdec closes its decoders and waits here until every call has come back (drain_native_calls).
+std::atomic<int> g_native_calls{0};
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// A thread outliving the interpreter parks instead of taking the GIL (the process is exiting:
+// nothing waits for that thread).
+void park_if_finalizing() {
+    if (interpreter_finalizing())
+        while (true) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// py::gil_scoped_release, counted.
+class WithoutGil {
+  public:
+    WithoutGil() : release_(std::in_place) { g_native_calls.fetch_add(1); }
+    ~WithoutGil() {
+        park_if_finalizing();
+        release_.reset();
+        g_native_calls.fetch_sub(1);
+    }
+    WithoutGil(const WithoutGil&) = delete;
+    WithoutGil& operator=(const WithoutGil&) = delete;
+
+  private:
+    std::optional<py::gil_scoped_release> release_;
+};
+
+// Waits (without the GIL) until no native call runs, or `timeout_s` passes; true when none runs.
+bool drain_native_calls(double timeout_s) {
+    py::gil_scoped_release release;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (g_native_calls.load() > 0) {
+        if (std::chrono::steady_clock::now() >= until) return false;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return true;
+}
 
 // Text from the engine is valid UTF-8 except, at worst, a broken tail at the very end.
 py::str to_str(const std::string& s) {
@@ -166,7 +216,7 @@ auto interruptible(Call&& call, std::shared_ptr<CancelFlag> flag = nullptr) {
     using Result = decltype(call(flag));
     std::optional<Result> result;
     try {
-        py::gil_scoped_release release;
+        WithoutGil release;
         result.emplace(call(flag));
     } catch (...) {
         guard.deliver();  // Ctrl-C, if it came, is why the call unwound
@@ -197,6 +247,7 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
     // Runs a callback's Python work (its arguments' conversion too) under the GIL; what it
     // raises is re-raised once the engine unwinds.
     const auto with_gil = [&](const auto& python_work) {
+        park_if_finalizing();
         py::gil_scoped_acquire gil;
         try {
             python_work();
@@ -325,7 +376,7 @@ PYBIND11_MODULE(_core, m) {
                  c.ngram_index_bytes = ngram_index_bytes;
                  c.verbose = verbose;
                  c.n_parallel = n_parallel;
-                 py::gil_scoped_release release;
+                 WithoutGil release;
                  return std::make_unique<Engine>(c);
              }),
              py::arg("target"), py::arg("draft") = py::none(), py::arg("n_draft") = 4,
@@ -378,20 +429,20 @@ PYBIND11_MODULE(_core, m) {
             py::arg("token"))
         .def("set_calibration", &Engine::set_calibration, py::arg("verify_costs"),
              py::arg("draft_costs"), py::arg("batch_verify_costs") = py::list(),
-             py::arg("batch_draft_costs") = py::list(), py::call_guard<py::gil_scoped_release>())
-        .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
+             py::arg("batch_draft_costs") = py::list(), py::call_guard<WithoutGil>())
+        .def("shutdown", &Engine::shutdown, py::call_guard<WithoutGil>())
         // The vocabulary is read-only once loaded, and a long text takes a while: these let
         // other threads (the scheduler's callbacks, a server's event loop) run meanwhile.
         .def("tokenize",
              [](const Engine& e, const std::string& text, bool add_special, bool parse_special) {
-                 py::gil_scoped_release unlocked;
+                 WithoutGil unlocked;
                  return e.target().tokenize(text, add_special, parse_special);
              })
         .def("token_bytes",
              [](const Engine& e, const std::vector<int32_t>& tokens) {
                  std::vector<std::string> pieces;
                  {
-                     py::gil_scoped_release unlocked;
+                     WithoutGil unlocked;
                      e.check_tokens(tokens);
                      pieces.reserve(tokens.size());
                      for (int32_t t : tokens) pieces.push_back(e.target().token_piece(t));
@@ -405,7 +456,7 @@ PYBIND11_MODULE(_core, m) {
              [](const Engine& e, const std::vector<int32_t>& tokens) {
                  std::string text;
                  {
-                     py::gil_scoped_release unlocked;
+                     WithoutGil unlocked;
                      text = e.target().detokenize(tokens);
                  }
                  return to_str(text);
@@ -474,9 +525,9 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("ngram_index_tokens", &Engine::ngram_index_tokens)
         .def_property_readonly("ngram_index_bytes", &Engine::ngram_index_bytes)
         .def("save_ngram_index", &Engine::save_ngram_index, py::arg("path"),
-             py::call_guard<py::gil_scoped_release>())
+             py::call_guard<WithoutGil>())
         .def("load_ngram_index", &Engine::load_ngram_index, py::arg("path"),
-             py::call_guard<py::gil_scoped_release>())
+             py::call_guard<WithoutGil>())
         .def_property_readonly("running_on_this_thread", &Engine::running_on_this_thread)
         .def_property_readonly("n_ctx", [](const Engine& e) { return e.target().n_ctx(); });
 
@@ -490,6 +541,8 @@ PYBIND11_MODULE(_core, m) {
     m.def("load_constraint_library", &load_constraint_library, py::arg("path"),
           "Loads llguidance's C API from its shared library (structured output).");
     m.attr("MAX_TOP_LOGPROBS") = kMaxTopLogprobs;
+    m.def("drain_native_calls", &drain_native_calls, py::arg("timeout_s"),
+          "Waits until no call into the engine runs without the GIL; False after timeout_s.");
     m.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
     m.def("check_request_values", &Engine::check_request_values, py::arg("request"),
           "ValueError for values no model could accept (the prompt is not checked).");

@@ -89,6 +89,9 @@ def _close_open_decoders() -> None:
             dec.close()
         except Exception:  # exiting anyway: one decoder's trouble must not keep the others open
             pass
+    # Their generations end "cancelled"; let the threads that ran them take the GIL back before
+    # the interpreter finalizes (a thread doing so after would abort the process).
+    _core.drain_native_calls(10.0)
 
 
 @dataclass(frozen=True)

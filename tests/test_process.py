@@ -242,6 +242,33 @@ def test_exiting_while_a_generation_runs_is_clean(tiny_pair: models.ModelPair, h
     assert "exiting" in r.stdout and "terminate" not in r.stderr
 
 
+def test_exiting_waits_for_a_generation_to_come_back_from_the_engine(
+    tiny_pair: models.ModelPair,
+) -> None:
+    # A thread that took the GIL back once the interpreter finalizes would be ended mid-call
+    # (and the process abort): at exit the generation ends "cancelled" and its thread returns
+    # to Python first, even from a callback still running.
+    r = run_script(
+        """
+        import sys, threading, time, specdec_native as sd
+        d = sd.SpeculativeDecoder(sys.argv[1], n_ctx=4096, n_threads=1)
+        in_callback = threading.Event()
+        def on_text(_):
+            in_callback.set()
+            time.sleep(0.3)
+        def work():
+            r = d.generate([1, 300, 270], 3000, on_text=on_text)
+            print("returned", r.finish_reason, flush=True)
+        threading.Thread(target=work, daemon=True).start()
+        in_callback.wait()
+        print("exiting", flush=True)
+        """,
+        str(tiny_pair.target),
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["exiting", "returned", "cancelled"], r.stdout
+
+
 def test_close_stops_a_generation_running_on_another_thread(tiny_pair: models.ModelPair) -> None:
     import threading
 
