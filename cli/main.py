@@ -964,7 +964,7 @@ def bench_pool(reports: tuple[Path, ...], json_out: Path | None) -> None:
 )
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="SPECDEC_HOST")
 @click.option(
-    "--port", default=8080, show_default=True, type=click.IntRange(0, 65535), envvar="SPECDEC_PORT"
+    "--port", default=8080, show_default=True, type=click.IntRange(1, 65535), envvar="SPECDEC_PORT"
 )
 @click.option(
     "--api-key", default=None, envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY'."
@@ -1106,8 +1106,6 @@ def serve(
         ) from None
 
     k = _draft_option_value(n_draft)
-    if not 1 <= port <= 65535:
-        raise click.ClickException(f"--port must be in [1, 65535], got {port}")
     if not 1 <= n_parallel <= MAX_PARALLEL:
         raise click.ClickException(f"--parallel must be in [1, {MAX_PARALLEL}], got {n_parallel}")
     if max_queue < 0:

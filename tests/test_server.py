@@ -662,6 +662,13 @@ def test_an_address_the_server_cannot_have_is_one_line(tmp_path: Path) -> None:
     )
     for host in ("999.1.1.1", "\u00e9" * 70):  # no such address; a name IDNA cannot encode
         assert serve_refusal("--host", host).startswith(f"Error: cannot listen on {host!r}:1: ")
+    r = subprocess.run(
+        [sys.executable, "-m", "cli.main", "serve", "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "Error: Invalid value for '--port': 0 is not in the range 1<=x<=65535."
+    ), r.stderr
 
 
 def test_a_bad_chat_template_is_one_line_before_loading(tmp_path: Path) -> None:
