@@ -1,4 +1,5 @@
 // pybind11 only: argument conversion, GIL release, callbacks, exception mapping.
+#include <pthread.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -33,6 +34,8 @@ namespace {
 // unwinding through C++ frames (noexcept destructors among them) aborts the process. At exit,
 // specdec closes its decoders and waits here until every call has come back (drain_native_calls).
 std::atomic<int> g_native_calls{0};
+// The thread that drained them: the one that goes on to finalize the interpreter.
+std::atomic<std::thread::id> g_exiting_thread{};
 
 bool interpreter_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -43,16 +46,19 @@ bool interpreter_finalizing() {
 }
 
 // A thread outliving the interpreter parks instead of taking the GIL (the process is exiting:
-// nothing waits for that thread).
+// nothing waits for that thread). Not the finalizing thread itself: it holds the GIL anyway.
 void park_if_finalizing() {
-    if (interpreter_finalizing())
+    if (interpreter_finalizing() && std::this_thread::get_id() != g_exiting_thread.load())
         while (true) std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
-// py::gil_scoped_release, counted.
+// py::gil_scoped_release, counted (from before the GIL goes until after it is back).
 class WithoutGil {
   public:
-    WithoutGil() : release_(std::in_place) { g_native_calls.fetch_add(1); }
+    WithoutGil() {
+        g_native_calls.fetch_add(1);
+        release_.emplace();
+    }
     ~WithoutGil() {
         park_if_finalizing();
         release_.reset();
@@ -67,6 +73,7 @@ class WithoutGil {
 
 // Waits (without the GIL) until no native call runs, or `timeout_s` passes; true when none runs.
 bool drain_native_calls(double timeout_s) {
+    g_exiting_thread.store(std::this_thread::get_id());
     py::gil_scoped_release release;
     const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
     while (g_native_calls.load() > 0) {
@@ -300,6 +307,8 @@ py::dict run_generate(Engine& engine, GenerateRequest request, const py::object&
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
+    // A forked child has none of its parent's other threads, nor their calls.
+    pthread_atfork(nullptr, nullptr, [] { g_native_calls.store(0); });
     m.doc() = "specdec native engine (llama.cpp speculative decoding)";
 
     py::register_exception<ModelLoadError>(m, "ModelLoadError", PyExc_RuntimeError);

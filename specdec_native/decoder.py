@@ -77,6 +77,8 @@ def _check_not_forked() -> None:
     _used_in_this_process = True
 
 
+_EXIT_WAIT_S = 10.0  # how long exit waits for calls into the engine to come back
+
 # Decoders still open, closed at exit: a generation running on a daemon thread while the
 # interpreter shuts down would otherwise be torn down mid-call (and the process abort).
 _open_decoders: weakref.WeakSet[SpeculativeDecoder] = weakref.WeakSet()
@@ -84,6 +86,8 @@ _open_decoders: weakref.WeakSet[SpeculativeDecoder] = weakref.WeakSet()
 
 @atexit.register
 def _close_open_decoders() -> None:
+    if _forked_after_use:  # the engines' threads are the parent's: nothing here to stop
+        return
     for dec in list(_open_decoders):
         try:
             dec.close()
@@ -91,7 +95,12 @@ def _close_open_decoders() -> None:
             pass
     # Their generations end "cancelled"; let the threads that ran them take the GIL back before
     # the interpreter finalizes (a thread doing so after would abort the process).
-    _core.drain_native_calls(10.0)
+    if not _core.drain_native_calls(_EXIT_WAIT_S):
+        warnings.warn(
+            f"a call into specdec's engine was still running {_EXIT_WAIT_S:g} s after exit began",
+            RuntimeWarning,
+            stacklevel=1,
+        )
 
 
 @dataclass(frozen=True)

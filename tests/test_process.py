@@ -251,6 +251,7 @@ def test_exiting_waits_for_a_generation_to_come_back_from_the_engine(
     r = run_script(
         """
         import sys, threading, time, specdec_native as sd
+        sys.setswitchinterval(30)  # once back, the worker keeps the GIL until its print's write
         d = sd.SpeculativeDecoder(sys.argv[1], n_ctx=4096, n_threads=1)
         in_callback = threading.Event()
         def on_text(_):
@@ -267,6 +268,37 @@ def test_exiting_waits_for_a_generation_to_come_back_from_the_engine(
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["exiting", "returned", "cancelled"], r.stdout
+
+
+def test_a_child_forked_during_a_generation_exits_at_once(tiny_pair: models.ModelPair) -> None:
+    # The child has none of the parent's threads: its exit must neither stop the engine's nor
+    # wait for their calls.
+    r = run_script(
+        """
+        import os, sys, threading, time, specdec_native as sd
+        d = sd.SpeculativeDecoder(sys.argv[1], n_ctx=4096, n_threads=1)
+        in_callback = threading.Event()
+        def on_text(_):
+            in_callback.set()
+            time.sleep(0.05)
+        threading.Thread(target=lambda: d.generate([1, 300, 270], 3000, on_text=on_text),
+                         daemon=True).start()
+        in_callback.wait()
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(3)  # through the interpreter's exit, its atexit hooks included
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(os.waitstatus_to_exitcode(done[1]) if done[0] else "alive",
+              round(time.perf_counter() - t0, 1), flush=True)
+        """,
+        str(tiny_pair.target),
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    code, seconds = r.stdout.split()
+    assert code == "3" and float(seconds) < 5, r.stdout
 
 
 def test_close_stops_a_generation_running_on_another_thread(tiny_pair: models.ModelPair) -> None:
