@@ -445,7 +445,7 @@ class Run:
         chat: bool,
         arrived: float,
         on_start: Callable[[], None],
-        pieces: Pieces,
+        pieces: Pieces | None,
         index: int | None,
         created: int,
     ) -> None:
@@ -454,8 +454,10 @@ class Run:
         self.created = created  # the request's: every chunk and answer of it carries it
         self.flag = _core.CancelFlag()
         self.started = asyncio.Event()  # the engine gave it a slot: every check passed
-        # Text as committed, with its tokens' logprobs when asked for; None: no more. One queue
-        # for all the choices of a request, so that a stream of several reads them as they come.
+        # A stream's text as committed, with its tokens' logprobs when asked for; None: no more.
+        # One queue for all the choices of a request, so that a stream of several reads them as
+        # they come. An answer not streamed has none: it is built from the result, and its
+        # worker is not woken at every step (a wake-up takes a core from the decode's threads).
         self.pieces = pieces
         self.cut: str | None = None
         self.ended = arrived  # when the generation returned (set then)
@@ -470,9 +472,9 @@ class Run:
             logprobs.extend(entries)
 
         def text_came(text: str) -> None:
-            piece = (self, (text, logprobs.copy()))
+            piece = (text, logprobs.copy())
             logprobs.clear()
-            loop.call_soon_threadsafe(self.pieces.put_nowait, piece)
+            loop.call_soon_threadsafe(self.put_piece, piece)
 
         def slot_taken() -> None:
             loop.call_soon_threadsafe(self._started, on_start)
@@ -481,18 +483,22 @@ class Run:
             decoder.run,
             job.prompt,
             job.settings,
-            on_text=text_came,
+            on_text=None if pieces is None else text_came,
             on_start=slot_taken,
             cancel=self.flag,
-            on_logprobs=None if job.settings.logprobs is None else logprobs_came,
+            on_logprobs=None if pieces is None or job.settings.logprobs is None else logprobs_came,
         )
         self.future: asyncio.Future[GenerationResult] = loop.run_in_executor(None, call)
         # Runs after every piece the worker handed over (call_soon_threadsafe keeps their order).
         self.future.add_done_callback(self._returned)
 
+    def put_piece(self, piece: tuple[str, list[TokenLogprob]] | None) -> None:
+        if self.pieces is not None:
+            self.pieces.put_nowait((self, piece))
+
     def _returned(self, _: object) -> None:
         self.ended = time.monotonic()
-        self.pieces.put_nowait((self, None))
+        self.put_piece(None)
 
     def waited(self, result: GenerationResult) -> float:
         """Seconds it waited for the engine (it queues for the engine's thread before the
@@ -966,12 +972,14 @@ class Server:
         except BaseException:  # this handler cancelled while the template rendered
             self.release()
             raise
-        runs = self._start(jobs, rid, chat, arrived)
+        runs = self._start(jobs, rid, chat, arrived, bool(body.stream))
         if body.stream:
             return await self._stream(request, runs, body.n or 1, ask)
         return await self._choices(request, runs, body.n or 1, ask)
 
-    def _start(self, jobs: list[Job], rid: str, chat: bool, arrived: float) -> list[Run]:
+    def _start(
+        self, jobs: list[Job], rid: str, chat: bool, arrived: float, stream: bool
+    ) -> list[Run]:
         """A run for each admitted job (its end releases its admission; a choice among several
         is logged with its index). If one cannot start, the admissions of those not started
         are released and the started ones abandoned."""
@@ -989,7 +997,7 @@ class Server:
                     chat,
                     arrived,
                     self._update_gauges,
-                    pieces,
+                    pieces if stream else None,
                     index,
                     created,
                 )
@@ -1236,8 +1244,10 @@ class Server:
                     yield self._chunk(run, None, None, {"role": "assistant", "content": ""})
             streams = {run: _ChoiceStream(run) for run in runs}
             usages: dict[Run, dict[str, Any]] = {}  # as each ends
+            pieces = runs[0].pieces
+            assert pieces is not None  # a stream's runs hand their text over
             while len(usages) < len(runs):
-                run, piece = await runs[0].pieces.get()
+                run, piece = await pieces.get()
                 stream = streams[run]
                 if piece is not None:
                     for chunk in self._piece_chunks(stream, *piece):
