@@ -24,7 +24,9 @@ package is a base model without a chat template: it echoes chat prompts; give it
 (`--ngram-index-mb 64`) and off (0); llama-server with no drafting, `--spec-type ngram-mod`
 and `ngram-map-k` (n-gram model only), or `-md` alone and after ngram-mod (with --pair). Reported per trace and server:
 generated tokens per second of generation time (prompt excluded: timings.predicted_ms), summed
-over the trace's requests; each round runs every server once, rotated; tokens drafted and
+over the trace's requests (llama-server counts the end-of-generation token among its predicted
+tokens, specdec does not: a llama-server answer that ended there is counted one token shorter,
+so that the same text counts the same); each round runs every server once, rotated; tokens drafted and
 accepted. llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds
 specdec's shared index served by each of two builds ("build OLD, shared index", ...; folders
 that each hold a built `specdec_native` package, as for scripts/bench_zoo_ab.py), to judge a
@@ -47,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_server import free_port, llama_cpp_tools, wait_ready
+from bench_server import counted_end, free_port, llama_cpp_tools, wait_ready
 
 from specdec_native import models
 
@@ -359,7 +361,8 @@ def serve_trace(
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
         r.raise_for_status()
         t = r.json()["timings"]
-        total["tokens"] += t["predicted_n"]
+        finish = r.json()["choices"][0]["finish_reason"]
+        total["tokens"] += t["predicted_n"] - counted_end(finish, t)
         total["seconds"] += t["predicted_ms"] / 1e3
         total["drafted"] += t.get("draft_n", 0)
         total["accepted"] += t.get("draft_n_accepted", 0)

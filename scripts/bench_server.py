@@ -27,6 +27,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 from bench_args import pair_parser, parse_pair
@@ -78,6 +79,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], seconds: float = 600) ->
     raise SystemExit("server did not become ready")
 
 
+def counted_end(finish_reason: str | None, timings: dict[str, Any]) -> int:
+    """1 where an answer's `predicted_n` includes its end-of-generation token, else 0:
+    llama-server counts that token, specdec does not (neither decodes it). Subtracted, the same
+    text counts the same on both."""
+    return int(finish_reason == "stop" and "draft_n_by_source" not in timings)
+
+
 def one_request(url: str, prompt: str, n: int) -> tuple[float, int, float]:
     """(seconds to the first text, tokens generated, seconds in all) of one streamed
     completion."""
@@ -85,6 +93,7 @@ def one_request(url: str, prompt: str, n: int) -> tuple[float, int, float]:
     start = time.monotonic()
     first = None
     tokens = 0
+    finish = None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -92,8 +101,11 @@ def one_request(url: str, prompt: str, n: int) -> tuple[float, int, float]:
             event = json.loads(line[6:])
             if first is None and any(c.get("text") for c in event.get("choices", [])):
                 first = time.monotonic() - start
+            for choice in event.get("choices", []):
+                finish = choice.get("finish_reason") or finish
             if "timings" in event:
-                tokens = int(event["timings"]["predicted_n"])
+                timings = event["timings"]
+                tokens = int(timings["predicted_n"]) - counted_end(finish, timings)
     total = time.monotonic() - start
     return (first if first is not None else total), tokens, total
 

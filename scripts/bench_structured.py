@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import jsonschema  # type: ignore[import-untyped]
 from bench_args import let_other_decoders_settle, pair_parser, parse_pair
-from bench_server import free_port, llama_cpp_tools, wait_ready
+from bench_server import counted_end, free_port, llama_cpp_tools, wait_ready
 
 import specdec_native as sd
 
@@ -182,7 +182,8 @@ def server_run(url: str, n: int) -> list[Outcome]:
         t = r["timings"]
         text = r["choices"][0]["text"]
         seconds = float(t["predicted_ms"]) / 1e3
-        out.append((int(t["predicted_n"]), seconds, _valid(text, schema), 0))
+        tokens = int(t["predicted_n"]) - counted_end(r["choices"][0]["finish_reason"], t)
+        out.append((tokens, seconds, _valid(text, schema), 0))
     return out
 
 
