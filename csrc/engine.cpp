@@ -253,8 +253,8 @@ GenerationResult Engine::generate(const GenerateRequest& request, const TextCall
     check_not_in_callback("call generate, calibrate or measure_decode_cost");
     check_request(request);
     const auto called = Clock::now();
-    auto channel =
-        std::make_shared<RequestChannel>(request, called, deadline_after(called, request.timeout));
+    auto channel = std::make_shared<RequestChannel>(
+        request, called, deadline_after(called, request.timeout), static_cast<bool>(on_text));
     if (!request.constraint_kind.empty())
         channel->constraint =
             constraint_vocab().compile(request.constraint_kind, request.constraint);

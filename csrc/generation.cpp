@@ -660,14 +660,18 @@ void Generation::emit(const std::string& text, bool last) {
         result_.stop_logprob.assign(1, held_logprobs_.front().second);
     if (text.empty() && !all) return;
     result_.text += text;
-    std::lock_guard<std::mutex> lock(channel_->mutex);
-    channel_->text += text;
+    const bool listens = channel_->listens;
+    std::unique_lock<std::mutex> lock(channel_->mutex, std::defer_lock);
+    if (listens) {
+        lock.lock();
+        channel_->text += text;
+    }
     while (!held_logprobs_.empty() && (all || held_logprobs_.front().first < result_.text.size())) {
-        result_.logprobs.push_back(held_logprobs_.front().second);
-        channel_->logprobs.push_back(std::move(held_logprobs_.front().second));
+        if (listens) channel_->logprobs.push_back(held_logprobs_.front().second);
+        result_.logprobs.push_back(std::move(held_logprobs_.front().second));
         held_logprobs_.pop_front();
     }
-    if (!text.empty()) text_waiting_ = true;
+    if (!text.empty() && listens) text_waiting_ = true;
 }
 
 void Generation::hand_over_text() {

@@ -151,8 +151,11 @@ struct GenerationResult {
 // on its own thread, so a slow callback never holds up the batch.
 struct RequestChannel {
     // A request without a cancel flag gets one: a callback that throws stops it with it.
-    RequestChannel(GenerateRequest r, Clock::time_point called_at, Deadline until)
-        : request(with_cancel_flag(std::move(r))), called(called_at), deadline(until) {}
+    RequestChannel(GenerateRequest r, Clock::time_point called_at, Deadline until, bool listening)
+        : request(with_cancel_flag(std::move(r))),
+          called(called_at),
+          deadline(until),
+          listens(listening) {}
     static GenerateRequest with_cancel_flag(GenerateRequest r) {
         if (!r.cancel) r.cancel = std::make_shared<CancelFlag>();
         return r;
@@ -163,6 +166,9 @@ struct RequestChannel {
     const GenerateRequest request;
     const Clock::time_point called;
     const Deadline deadline;
+    // Its caller takes the text as it comes; else the text and logprobs go to the result alone,
+    // and the caller is not woken for them (a wake-up takes a core from the decode's threads).
+    const bool listens;
     // The request's grammar, compiled on the caller's thread; the generation takes it.
     std::unique_ptr<Constraint> constraint;
 
