@@ -1,8 +1,8 @@
 """Agentic traces served in order: specdec's shared n-gram index against its per-request n-gram
 and llama-server's n-gram drafters, on the same model, same machine, one run.
 
-    .venv/bin/python scripts/bench_agentic.py [--rounds 2] [-n N] [--traces a,b] [--out FILE]
-        [--pair] [TARGET]
+    .venv/bin/python scripts/bench_agentic.py [--rounds 2] [--paired] [-n N] [--traces a,b]
+        [--out FILE] [--pair] [TARGET]
 
 Traces of 20 chat requests each, sent one after another as an agent would (each request's
 messages are fixed by the trace, so every server does the same work):
@@ -27,8 +27,12 @@ generated tokens per second of generation time (prompt excluded: timings.predict
 over the trace's requests (llama-server counts the end-of-generation token among its predicted
 tokens, specdec does not: a llama-server answer that ended there is counted one token shorter,
 so that the same text counts the same); each round runs every server once, rotated; tokens drafted and
-accepted. llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds
-specdec's shared index served by each of two builds ("build OLD, shared index", ...; folders
+accepted. With `--paired` all the servers of a round are up at once and each request goes to
+every one of them before the next is sent (in an order rotated per request): a slow spell of
+this shared machine then falls on all of them alike (two servers of the same configuration
+differ by 1-6 % per round this way, against up to 30 % one after the other).
+llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds specdec's
+shared index served by each of two builds ("build OLD, shared index", ...; folders
 that each hold a built `specdec_native` package, as for scripts/bench_zoo_ab.py), to judge a
 change side by side (`--servers build` runs those alone). On the traces that re-emit a file
 (edit, config), "specdec, ... + prediction" sends the file as it was before the change as the
@@ -351,25 +355,41 @@ def serve_trace(
 ) -> dict[str, float]:
     """The trace's requests in order: generated tokens, generation seconds, drafted, accepted.
     `predict`: each edit request brings its file as its prediction."""
-    total = {"tokens": 0.0, "seconds": 0.0, "drafted": 0.0, "accepted": 0.0, "index": 0.0}
-    total["grammar"] = total["prediction"] = 0.0
+    total: dict[str, float] = {}
     for messages in trace:
-        body = {"messages": messages, "max_tokens": n, "temperature": 0, "seed": 0}
-        body.update(extras or {})
-        if predict and (file := predicted_file(messages)) is not None:
-            body["prediction"] = {"type": "content", "content": file}
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
-        r.raise_for_status()
-        t = r.json()["timings"]
-        finish = r.json()["choices"][0]["finish_reason"]
-        total["tokens"] += t["predicted_n"] - counted_end(finish, t)
-        total["seconds"] += t["predicted_ms"] / 1e3
-        total["drafted"] += t.get("draft_n", 0)
-        total["accepted"] += t.get("draft_n_accepted", 0)
-        total["index"] += t.get("draft_n_accepted_by_source", {}).get("index", 0)
-        total["grammar"] += t.get("draft_n_accepted_by_source", {}).get("grammar", 0)
-        total["prediction"] += t.get("draft_n_accepted_by_source", {}).get("prediction", 0)
+        serve_request(url, messages, n, extras, predict, total)
     return total
+
+
+def serve_request(
+    url: str,
+    messages: Messages,
+    n: int,
+    extras: dict[str, Any] | None,
+    predict: bool,
+    total: dict[str, float],
+) -> None:
+    """One request of a trace, its counts added to `total`."""
+    body = {"messages": messages, "max_tokens": n, "temperature": 0, "seed": 0}
+    body.update(extras or {})
+    if predict and (file := predicted_file(messages)) is not None:
+        body["prediction"] = {"type": "content", "content": file}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    t = r.json()["timings"]
+    finish = r.json()["choices"][0]["finish_reason"]
+    by_source = t.get("draft_n_accepted_by_source", {})
+    counts = {
+        "tokens": t["predicted_n"] - counted_end(finish, t),
+        "seconds": t["predicted_ms"] / 1e3,
+        "drafted": t.get("draft_n", 0),
+        "accepted": t.get("draft_n_accepted", 0),
+        "index": by_source.get("index", 0),
+        "grammar": by_source.get("grammar", 0),
+        "prediction": by_source.get("prediction", 0),
+    }
+    for key, value in counts.items():
+        total[key] = total.get(key, 0.0) + value
 
 
 # Serves with the package in the folder given first, not the repository's editable install.
@@ -391,30 +411,27 @@ def servers(
     threads: str,
     template: str | None,
     builds: list[str] | None = None,
-) -> dict[str, Callable[[int], list[str]]]:
+) -> dict[str, list[str]]:
     tools = llama_cpp_tools()
     common = ["-np", "1", "-c", "4096", "-t", threads]
     common += ["--chat-template", template] if template else []
     spec = [sys.executable, "-m", "cli.main", "serve", str(target), *common]
     spec += ["--draft", str(draft), "--ngram"] if draft else ["--draft", "ngram"]
     llama = [f"{tools}/llama-server", "-m", str(target), *common, "--host", "127.0.0.1"]
-    out: dict[str, Callable[[int], list[str]]] = {
-        "specdec, shared index": lambda port: [*spec, "--port", str(port)],
-        "specdec, per-request n-gram": lambda port: [
-            *spec, "--ngram-index-mb", "0", "--port", str(port),
-        ],
-        "specdec, target only": lambda port: [*spec, "-k", "0", "--port", str(port)],
-        PREDICTING[0]: lambda port: [*spec, "--port", str(port)],
-        PREDICTING[1]: lambda port: [*spec[:spec.index("--draft")], "--port", str(port)],
-        "llama-server, no draft": lambda port: [*llama, "--port", str(port)],
-    }  # fmt: skip
+    out: dict[str, list[str]] = {
+        "specdec, shared index": spec,
+        "specdec, per-request n-gram": [*spec, "--ngram-index-mb", "0"],
+        "specdec, target only": [*spec, "-k", "0"],
+        PREDICTING[0]: spec,
+        PREDICTING[1]: spec[: spec.index("--draft")],
+        "llama-server, no draft": llama,
+    }
 
-    def llama_with(*extra: str) -> Callable[[int], list[str]]:
-        return lambda port: [*llama, *extra, "--port", str(port)]
+    def llama_with(*extra: str) -> list[str]:
+        return [*llama, *extra]
 
-    def served_by(build: str) -> Callable[[int], list[str]]:
-        command = [sys.executable, "-c", BUILD_BOOT, str(Path(build).resolve()), *spec[3:]]
-        return lambda port: [*command, "--port", str(port)]
+    def served_by(build: str) -> list[str]:
+        return [sys.executable, "-c", BUILD_BOOT, str(Path(build).resolve()), *spec[3:]]
 
     for build in builds or []:
         out[f"build {build}, shared index"] = served_by(build)
@@ -427,6 +444,18 @@ def servers(
         for kind in ("ngram-mod", "ngram-map-k"):
             out[f"llama-server {kind}"] = llama_with("--spec-type", kind)
     return out
+
+
+def server_starts(arg: str) -> list[str]:
+    """`--servers`: comma-separated starts of names; a comma followed by a space belongs to a
+    name ("specdec, shared index,llama-server, no draft" is two)."""
+    starts: list[str] = []
+    for part in arg.split(","):
+        if part.startswith(" ") and starts:
+            starts[-1] += "," + part
+        else:
+            starts.append(part)
+    return starts
 
 
 def main() -> None:
@@ -445,6 +474,11 @@ def main() -> None:
     ap.add_argument("--chat-template", help="for a model without one (both servers)")
     ap.add_argument("--servers", help="comma-separated names' starts (default: all)")
     ap.add_argument("--builds", help="OLD,NEW: the shared index served by each of two builds")
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="all servers up at once, each request sent to every one before the next",
+    )
     args = ap.parse_args()
     draft = None
     if args.pair:
@@ -456,34 +490,102 @@ def main() -> None:
     builds = args.builds.split(",") if args.builds else None
     configs = servers(args.target, draft, args.threads, args.chat_template, builds)
     if args.servers:
-        starts = args.servers.split(",")
+        starts = server_starts(args.servers)
         configs = {k: v for k, v in configs.items() if any(k.startswith(s) for s in starts)}
-    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
+    rows: Rows = {}
+    serve = serve_paired if args.paired else serve_in_turn
     for r in range(args.rounds):
         names = list(configs)
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            port = free_port()
-            proc = subprocess.Popen(
-                configs[name](port), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-            url = f"http://127.0.0.1:{port}"
-            try:
-                wait_ready(url, proc)
-                serve_trace(url, [[{"role": "user", "content": "Hello"}]], 8)  # warm-up
-                for trace, requests in traces.items():
-                    start = time.monotonic()
-                    n = args.n or TRACE_TOKENS.get(trace, 64)
-                    predict = name in PREDICTING
-                    result = serve_trace(url, requests, n, BODY_EXTRAS.get(trace), predict)
-                    result["wall"] = time.monotonic() - start
-                    rows.setdefault((trace, name), []).append(result)
-                    rate = result["tokens"] / result["seconds"]
-                    print(f"round {r} {trace:6} {name:30} {rate:6.1f} tok/s", flush=True)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+        serve(r, names[r % len(names) :] + names[: r % len(names)], configs, traces, args, rows)
     report(args, rows)
+
+
+Configs = dict[str, list[str]]  # each server's command, but for its port
+Rows = dict[tuple[str, str], list[dict[str, float]]]
+
+
+def started(command: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """A server on a free loopback port, ready and warmed up (one short request)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*command, "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        serve_trace(url, [[{"role": "user", "content": "Hello"}]], 8)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def serve_in_turn(
+    r: int,
+    order: list[str],
+    configs: Configs,
+    traces: dict[str, list[Messages]],
+    args: argparse.Namespace,
+    rows: Rows,
+) -> None:
+    """One round: each server in turn serves every trace."""
+    for name in order:
+        proc, url = started(configs[name])
+        try:
+            for trace, requests in traces.items():
+                start = time.monotonic()
+                n = args.n or TRACE_TOKENS.get(trace, 64)
+                result = serve_trace(url, requests, n, BODY_EXTRAS.get(trace), name in PREDICTING)
+                result["wall"] = time.monotonic() - start
+                rows.setdefault((trace, name), []).append(result)
+                rate = result["tokens"] / result["seconds"]
+                print(f"round {r} {trace:6} {name:30} {rate:6.1f} tok/s", flush=True)
+        finally:
+            stop(proc)
+
+
+def serve_paired(
+    r: int,
+    order: list[str],
+    configs: Configs,
+    traces: dict[str, list[Messages]],
+    args: argparse.Namespace,
+    rows: Rows,
+) -> None:
+    """One round, every server up at once (started one after another, so that no start-up
+    measurement runs beside another): each request of a trace goes to every server before the
+    next is sent, in an order rotated per request, so that a slow spell of the machine falls on
+    all of them alike. Each server still sees the trace's requests in order."""
+    servers: dict[str, str] = {}
+    procs = []
+    try:
+        for name in order:
+            proc, url = started(configs[name])
+            procs.append(proc)
+            servers[name] = url
+        for trace, requests in traces.items():
+            n = args.n or TRACE_TOKENS.get(trace, 64)
+            totals: dict[str, dict[str, float]] = {name: {} for name in order}
+            for i, messages in enumerate(requests):
+                for name in order[i % len(order) :] + order[: i % len(order)]:
+                    predict = name in PREDICTING
+                    extras = BODY_EXTRAS.get(trace)
+                    serve_request(servers[name], messages, n, extras, predict, totals[name])
+            for name in order:
+                rows.setdefault((trace, name), []).append(totals[name])
+                rate = totals[name]["tokens"] / totals[name]["seconds"]
+                print(f"round {r} {trace:6} {name:30} {rate:6.1f} tok/s", flush=True)
+    finally:
+        for proc in procs:
+            stop(proc)
 
 
 def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, float]]]) -> None:
