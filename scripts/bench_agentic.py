@@ -28,9 +28,10 @@ over the trace's requests (llama-server counts the end-of-generation token among
 tokens, specdec does not: a llama-server answer that ended there is counted one token shorter,
 so that the same text counts the same); each round runs every server once, rotated; tokens drafted and
 accepted. With `--paired` all the servers of a round are up at once and each request goes to
-every one of them before the next is sent (in an order rotated per request): a slow spell of
-this shared machine then falls on all of them alike (two servers of the same configuration
-differ by 1-6 % per round this way, against up to 30 % one after the other).
+every one of them before the next is sent (in an order rotated per request, reversed every
+other pass, 0.3 s apart): a slow spell of this shared machine then falls on all of them alike
+(two servers of the same configuration differ by 1-6 % per round this way, against up to 30 %
+one after the other).
 llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds specdec's
 shared index served by each of two builds ("build OLD, shared index", ...; folders
 that each hold a built `specdec_native` package, as for scripts/bench_zoo_ab.py), to judge a
@@ -376,8 +377,9 @@ def serve_request(
         body["prediction"] = {"type": "content", "content": file}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     r.raise_for_status()
-    t = r.json()["timings"]
-    finish = r.json()["choices"][0]["finish_reason"]
+    answer = r.json()
+    t = answer["timings"]
+    finish = answer["choices"][0]["finish_reason"]
     by_source = t.get("draft_n_accepted_by_source", {})
     counts = {
         "tokens": t["predicted_n"] - counted_end(finish, t),
@@ -562,8 +564,8 @@ def serve_paired(
 ) -> None:
     """One round, every server up at once (started one after another, so that no start-up
     measurement runs beside another): each request of a trace goes to every server before the
-    next is sent, in an order rotated per request, so that a slow spell of the machine falls on
-    all of them alike. Each server still sees the trace's requests in order."""
+    next is sent, in an order rotated per request (see turns), so that a slow spell of the
+    machine falls on all of them alike. Each server still sees the trace's requests in order."""
     servers: dict[str, str] = {}
     procs = []
     try:
@@ -575,7 +577,10 @@ def serve_paired(
             n = args.n or TRACE_TOKENS.get(trace, 64)
             totals: dict[str, dict[str, float]] = {name: {} for name in order}
             for i, messages in enumerate(requests):
-                for name in order[i % len(order) :] + order[: i % len(order)]:
+                for name in turns(order, i):
+                    # What the last server leaves running (its scheduler's linger, llama.cpp's
+                    # workers spinning) must not fall on the next one's first steps.
+                    time.sleep(SETTLE_S)
                     predict = name in PREDICTING
                     extras = BODY_EXTRAS.get(trace)
                     serve_request(servers[name], messages, n, extras, predict, totals[name])
@@ -585,7 +590,20 @@ def serve_paired(
                 print(f"round {r} {trace:6} {name:30} {rate:6.1f} tok/s", flush=True)
     finally:
         for proc in procs:
-            stop(proc)
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+
+SETTLE_S = 0.3  # between two servers' requests (specdec's scheduler lingers 0.1 s when idle)
+
+
+def turns(order: list[str], i: int) -> list[str]:
+    """The servers' order for request i: rotated by i, and reversed for every other request,
+    so that no server always follows the same one."""
+    k = i % len(order)
+    rotated = order[k:] + order[:k]
+    return rotated[::-1] if (i // len(order)) % 2 else rotated
 
 
 def report(args: argparse.Namespace, rows: dict[tuple[str, str], list[dict[str, float]]]) -> None:
