@@ -360,9 +360,10 @@ def test_ctrl_c_while_waiting_for_the_decoder_stops_only_the_waiting_call(
     script = textwrap.dedent("""
         import signal, sys, threading, time, specdec_native as sd
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        d = sd.SpeculativeDecoder(sys.argv[1], n_ctx=4096, n_threads=1)
+        d = sd.SpeculativeDecoder(sys.argv[1], n_ctx=8192, n_threads=1)
         out = {}
-        other = threading.Thread(target=lambda: out.update(r=d.generate([1, 300, 270], 3000)))
+        # Long enough to run well past the Ctrl-C (about 3 s here): the call must still wait.
+        other = threading.Thread(target=lambda: out.update(r=d.generate([1, 300, 270], 8000)))
         other.start()
         time.sleep(0.3)
         print("waiting", flush=True)
@@ -386,7 +387,7 @@ def test_ctrl_c_while_waiting_for_the_decoder_stops_only_the_waiting_call(
     rest = proc.stdout.read()
     assert proc.wait(timeout=120) == 0
     assert first[0] == "interrupted" and float(first[1]) < 2.0, first
-    assert "other length 3000" in rest, rest  # the running generation was not the one stopped
+    assert "other length 8000" in rest, rest  # the running generation was not the one stopped
 
 
 class OthersLoad:
