@@ -26,8 +26,8 @@ and `ngram-map-k` (n-gram model only), or `-md` alone and after ngram-mod (with 
 generated tokens per second of generation time (prompt excluded: timings.predicted_ms), summed
 over the trace's requests (llama-server counts the end-of-generation token among its predicted
 tokens, specdec does not: a llama-server answer that ended there is counted one token shorter,
-so that the same text counts the same); each round runs every server once, rotated; tokens drafted and
-accepted. With `--paired` all the servers of a round are up at once and each request goes to
+so that the same text counts the same); each round runs every server once, rotated; tokens
+drafted and accepted. With `--paired` all the servers of a round are up at once and each request goes to
 every one of them before the next is sent (in an order rotated per request, reversed every
 other pass, 0.3 s apart): a slow spell of this shared machine then falls on all of them alike
 (two servers of the same configuration differ by 1-6 % per round this way, against up to 30 %
@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -347,21 +348,6 @@ def predicted_file(messages: Messages) -> str | None:
     return ask[len(FILE_GIVEN) :].split(CHANGE_ASKED)[0]
 
 
-def serve_trace(
-    url: str,
-    trace: list[Messages],
-    n: int,
-    extras: dict[str, Any] | None = None,
-    predict: bool = False,
-) -> dict[str, float]:
-    """The trace's requests in order: generated tokens, generation seconds, drafted, accepted.
-    `predict`: each edit request brings its file as its prediction."""
-    total: dict[str, float] = {}
-    for messages in trace:
-        serve_request(url, messages, n, extras, predict, total)
-    return total
-
-
 def serve_request(
     url: str,
     messages: Messages,
@@ -494,16 +480,37 @@ def main() -> None:
     if args.servers:
         starts = server_starts(args.servers)
         configs = {k: v for k, v in configs.items() if any(k.startswith(s) for s in starts)}
-    rows: Rows = {}
+    bench = Bench(configs, traces, args.n)
     serve = serve_paired if args.paired else serve_in_turn
     for r in range(args.rounds):
         names = list(configs)
-        serve(r, names[r % len(names) :] + names[: r % len(names)], configs, traces, args, rows)
-    report(args, rows)
+        serve(bench, r, names[r % len(names) :] + names[: r % len(names)])
+    report(args, bench.rows)
 
 
 Configs = dict[str, list[str]]  # each server's command, but for its port
 Rows = dict[tuple[str, str], list[dict[str, float]]]
+
+
+@dataclass
+class Bench:
+    """What every round serves, and the results so far."""
+
+    configs: Configs
+    traces: dict[str, list[Messages]]
+    n: int | None  # tokens per request at most (None: each trace's own)
+    rows: Rows = field(default_factory=dict)
+
+    def request(
+        self, name: str, trace: str, url: str, messages: Messages, total: dict[str, float]
+    ) -> None:
+        n = self.n or TRACE_TOKENS.get(trace, 64)
+        serve_request(url, messages, n, BODY_EXTRAS.get(trace), name in PREDICTING, total)
+
+    def record(self, r: int, trace: str, name: str, result: dict[str, float]) -> None:
+        self.rows.setdefault((trace, name), []).append(result)
+        rate = result["tokens"] / result["seconds"]
+        print(f"round {r} {trace:6} {name:30} {rate:6.1f} tok/s", flush=True)
 
 
 def started(command: list[str]) -> tuple[subprocess.Popen[bytes], str]:
@@ -518,81 +525,59 @@ def started(command: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
-        serve_trace(url, [[{"role": "user", "content": "Hello"}]], 8)
+        serve_request(url, [{"role": "user", "content": "Hello"}], 8, None, False, {})
     except BaseException:
-        stop(proc)
+        stop([proc])
         raise
     return proc, url
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(timeout=60)
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait(timeout=60)
 
 
-def serve_in_turn(
-    r: int,
-    order: list[str],
-    configs: Configs,
-    traces: dict[str, list[Messages]],
-    args: argparse.Namespace,
-    rows: Rows,
-) -> None:
+def serve_in_turn(bench: Bench, r: int, order: list[str]) -> None:
     """One round: each server in turn serves every trace."""
     for name in order:
-        proc, url = started(configs[name])
+        proc, url = started(bench.configs[name])
         try:
-            for trace, requests in traces.items():
+            for trace, requests in bench.traces.items():
                 start = time.monotonic()
-                n = args.n or TRACE_TOKENS.get(trace, 64)
-                result = serve_trace(url, requests, n, BODY_EXTRAS.get(trace), name in PREDICTING)
+                result: dict[str, float] = {}
+                for messages in requests:
+                    bench.request(name, trace, url, messages, result)
                 result["wall"] = time.monotonic() - start
-                rows.setdefault((trace, name), []).append(result)
-                rate = result["tokens"] / result["seconds"]
-                print(f"round {r} {trace:6} {name:30} {rate:6.1f} tok/s", flush=True)
+                bench.record(r, trace, name, result)
         finally:
-            stop(proc)
+            stop([proc])
 
 
-def serve_paired(
-    r: int,
-    order: list[str],
-    configs: Configs,
-    traces: dict[str, list[Messages]],
-    args: argparse.Namespace,
-    rows: Rows,
-) -> None:
+def serve_paired(bench: Bench, r: int, order: list[str]) -> None:
     """One round, every server up at once (started one after another, so that no start-up
     measurement runs beside another): each request of a trace goes to every server before the
     next is sent, in an order rotated per request (see turns), so that a slow spell of the
     machine falls on all of them alike. Each server still sees the trace's requests in order."""
-    servers: dict[str, str] = {}
-    procs = []
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: dict[str, str] = {}
     try:
         for name in order:
-            proc, url = started(configs[name])
+            proc, urls[name] = started(bench.configs[name])
             procs.append(proc)
-            servers[name] = url
-        for trace, requests in traces.items():
-            n = args.n or TRACE_TOKENS.get(trace, 64)
+        for trace, requests in bench.traces.items():
             totals: dict[str, dict[str, float]] = {name: {} for name in order}
             for i, messages in enumerate(requests):
                 for name in turns(order, i):
                     # What the last server leaves running (its scheduler's linger, llama.cpp's
                     # workers spinning) must not fall on the next one's first steps.
                     time.sleep(SETTLE_S)
-                    predict = name in PREDICTING
-                    extras = BODY_EXTRAS.get(trace)
-                    serve_request(servers[name], messages, n, extras, predict, totals[name])
+                    bench.request(name, trace, urls[name], messages, totals[name])
             for name in order:
-                rows.setdefault((trace, name), []).append(totals[name])
-                rate = totals[name]["tokens"] / totals[name]["seconds"]
-                print(f"round {r} {trace:6} {name:30} {rate:6.1f} tok/s", flush=True)
+                bench.record(r, trace, name, totals[name])
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=60)
+        stop(procs)
 
 
 SETTLE_S = 0.3  # between two servers' requests (specdec's scheduler lingers 0.1 s when idle)
